@@ -1,0 +1,21 @@
+"""rl-logp: selected-token log-probabilities that are the same bits in the trainer and the rollout.
+
+Public API: `logprobs` (autograd), `LogpConfig` / `resolve_config`, the backend names, and the contract's
+partial functions in `rl_logp.contract` (for vocab-parallel and custom providers). Kernels live in
+`rl_logp.kernels`, the verl and vLLM adapters in `rl_logp.integrations`, the agreement checker in
+`rl_logp.check`.
+"""
+
+from rl_logp.config import BACKENDS, INVARIANT_BACKENDS, LogpConfig, resolve_config
+from rl_logp.dispatch import fused_runs_on, logprobs, resolve_backend
+
+__all__ = [
+    "BACKENDS",
+    "INVARIANT_BACKENDS",
+    "LogpConfig",
+    "fused_runs_on",
+    "logprobs",
+    "resolve_backend",
+    "resolve_config",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,129 @@
+"""Configuration of rl-logp: which backend runs, how big a chunk is, how many fixed-point bits.
+
+A `LogpConfig` is built from (lowest to highest precedence) the defaults, environment variables
+(`RL_LOGP_BACKEND`, `RL_LOGP_CHUNK_BYTES`, `RL_LOGP_FIXED_POINT_BITS`, `RL_LOGP_STRICT`), a dict (for a
+verl/hydra config block) and keyword arguments. Every value is validated here, so a bad value fails at
+configuration time with a message that names the setting and the accepted values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+BACKENDS = ("auto", "fused", "chunked", "flash_attn", "torch")
+INVARIANT_BACKENDS = ("auto", "fused", "chunked")
+ENV_PREFIX = "RL_LOGP_"
+MIN_FIXED_POINT_BITS = 20
+MAX_FIXED_POINT_BITS = 52
+MIN_CHUNK_BYTES = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class LogpConfig:
+    """Settings of one `rl_logp.logprobs` call.
+
+    backend: one of `BACKENDS`; `auto` picks `fused` where the GPU kernel runs, else `chunked`.
+    chunk_bytes: workspace budget of the `chunked` path per chunk (bytes), independent of N.
+    fixed_point_bits: F in q(t) = trunc(t * 2^F); the vocabulary must stay below 2^(63-F) columns.
+    strict: refuse backends that are not batch- and TP-invariant (`torch`, `flash_attn`).
+    """
+
+    backend: str = "auto"
+    chunk_bytes: int = 256 * 1024 * 1024
+    fixed_point_bits: int = 40
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"rl_logp: backend={self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
+        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int):
+            raise TypeError(f"rl_logp: chunk_bytes must be an int (bytes), got {type(self.chunk_bytes).__name__}")
+        if self.chunk_bytes < MIN_CHUNK_BYTES:
+            raise ValueError(f"rl_logp: chunk_bytes={self.chunk_bytes} is below the minimum {MIN_CHUNK_BYTES}")
+        if isinstance(self.fixed_point_bits, bool) or not isinstance(self.fixed_point_bits, int):
+            raise TypeError("rl_logp: fixed_point_bits must be an int")
+        if not MIN_FIXED_POINT_BITS <= self.fixed_point_bits <= MAX_FIXED_POINT_BITS:
+            raise ValueError(
+                f"rl_logp: fixed_point_bits={self.fixed_point_bits} is outside "
+                f"[{MIN_FIXED_POINT_BITS}, {MAX_FIXED_POINT_BITS}]; 40 suits vocabularies below 2^23"
+            )
+        if self.strict and self.backend not in INVARIANT_BACKENDS:
+            raise ValueError(
+                f"rl_logp: backend={self.backend!r} is not batch/TP-invariant and strict=True; "
+                f"use one of {', '.join(INVARIANT_BACKENDS)} or set strict=False"
+            )
+
+    @property
+    def invariant(self) -> bool:
+        """Whether the chosen backend keeps the contract (same bits across batch, chunking and TP)."""
+        return self.backend in INVARIANT_BACKENDS
+
+    def replace(self, **changes: Any) -> LogpConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> LogpConfig:
+        """Defaults overridden by `RL_LOGP_*` environment variables."""
+        return cls(**_parse_env(os.environ if environ is None else environ))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None, *, environ: Mapping[str, str] | None = None) -> LogpConfig:
+        """A config from a dict (e.g. verl's `fused_kernel_options.rl_logp`), on top of the environment."""
+        return resolve_config(values, environ=environ)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(LogpConfig)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    kind = _FIELDS[name].type
+    if kind == "bool" and isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"rl_logp: {name}={value!r} is not a boolean (use 1/0, true/false)")
+    if kind == "int" and isinstance(value, str):
+        try:
+            return int(value.strip().replace("_", ""), 0)
+        except ValueError:
+            raise ValueError(f"rl_logp: {name}={value!r} is not an integer") from None
+    if kind == "str" and isinstance(value, str):
+        return value.strip().lower()
+    return value
+
+
+def _parse_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    found = {}
+    for name in _FIELDS:
+        key = ENV_PREFIX + name.upper()
+        if key in environ:
+            found[name] = _coerce(name, environ[key])
+    return found
+
+
+def resolve_config(
+    values: Mapping[str, Any] | LogpConfig | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> LogpConfig:
+    """Merge defaults < environment < `values` (dict or config) < keyword overrides, and validate."""
+    if isinstance(values, LogpConfig):
+        merged: dict[str, Any] = dataclasses.asdict(values)
+    else:
+        merged = _parse_env(os.environ if environ is None else environ)
+        for key, value in dict(values or {}).items():
+            if key not in _FIELDS:
+                raise ValueError(f"rl_logp: unknown config key {key!r}; known keys: {', '.join(_FIELDS)}")
+            merged[key] = _coerce(key, value)
+    for key, value in overrides.items():
+        if key not in _FIELDS:
+            raise TypeError(f"rl_logp: unknown option {key}=...; known options: {', '.join(_FIELDS)}")
+        if value is not None:
+            merged[key] = _coerce(key, value)
+    return LogpConfig(**merged)

@@ -1,0 +1,131 @@
+"""Shared pieces of the test suite: logits that look like a model's, bitwise comparisons, and the
+backend/device matrix (CPU twins of the GPU tests run the same functions with other parameters)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from rl_logp import fused_runs_on
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")
+
+
+def invariant_targets() -> list:
+    """(backend, device) pairs that claim invariance and can run here."""
+    targets = [pytest.param("chunked", "cpu", id="chunked-cpu")]
+    if fused_runs_on(torch.device("cpu")):
+        targets.append(pytest.param("fused", "cpu", id="fused-interpret-cpu"))
+    targets.append(pytest.param("chunked", "cuda", id="chunked-cuda", marks=needs_cuda))
+    targets.append(pytest.param("fused", "cuda", id="fused-cuda", marks=needs_cuda))
+    return targets
+
+
+def model_like_logits(n: int, vocab: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
+    """Logits with an LLM's spread: a few large values over a broad, shifted background."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(n, vocab, generator=gen) * 2.5 - 3.0
+    hot = torch.randint(0, vocab, (n, max(1, vocab // 500)), generator=gen)
+    x.scatter_(1, hot, torch.rand(hot.shape, generator=gen) * 12 + 4)
+    return x.to(dtype).to(device)
+
+
+def random_labels(n: int, vocab: int, device: str, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    return torch.randint(0, vocab, (n,), generator=gen).to(device)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit patterns of a float tensor, for exact comparisons (NaN == NaN, -0 != +0)."""
+    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[t.dtype]
+    return t.detach().contiguous().view(view)
+
+
+def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Number of elements whose bits differ."""
+    assert a.shape == b.shape and a.dtype == b.dtype
+    return int((bits(a) != bits(b)).sum())
+
+
+def logp_and_grad(logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """rl_logp.logprobs and d(sum logp)/d logits."""
+    from rl_logp import logprobs
+
+    x = logits.detach().clone().requires_grad_(True)
+    out = logprobs(x, labels, **kwargs)
+    out.sum().backward()
+    return out.detach(), x.grad
+
+
+def batch_sizes(limit: int) -> list[int]:
+    """1..9, then 2^k - 1, 2^k, 2^k + 1 up to `limit`."""
+    sizes = list(range(1, 10))
+    k = 4
+    while 2**k <= limit:
+        sizes += [2**k - 1, 2**k, 2**k + 1]
+        k += 1
+    return sorted({s for s in sizes if s <= limit + 1})
+
+
+def batch_invariance_mismatches(
+    probes: torch.Tensor, probe_labels: torch.Tensor, fill: torch.Tensor, fill_labels: torch.Tensor,
+    sizes: list[int], **kwargs,
+) -> dict:
+    """Score each probe row alone, then inside batches of every size at the front, middle and back.
+
+    Returns counts of differing logp values and differing dlogits elements over all placements.
+    """
+    alone = [logp_and_grad(probes[i : i + 1], probe_labels[i : i + 1], **kwargs) for i in range(len(probes))]
+    counts = {"placements": 0, "logp": 0, "dlogits": 0}
+    for size in sizes:
+        for p, position in enumerate(sorted({0, size // 2, size - 1})):
+            i = p % len(probes)
+            rows = fill[:size].clone()
+            labels = fill_labels[:size].clone()
+            rows[position] = probes[i]
+            labels[position] = probe_labels[i]
+            logp, grad = logp_and_grad(rows, labels, **kwargs)
+            counts["placements"] += 1
+            counts["logp"] += mismatches(logp[position : position + 1], alone[i][0])
+            counts["dlogits"] += mismatches(grad[position : position + 1], alone[i][1])
+    return counts
+
+
+def random_cuts(vocab: int, pieces: int, seed: int) -> list[int]:
+    """Uneven cut points 0 = c0 < c1 < ... < c_pieces = vocab (a piece may be one column)."""
+    gen = torch.Generator().manual_seed(seed)
+    inner = torch.randperm(vocab - 1, generator=gen)[: pieces - 1] + 1
+    return [0, *sorted(int(c) for c in inner), vocab]
+
+
+def split_vocab_logprobs(engine, logits, labels, cuts, bits=40, temperature=None):
+    """What the TP provider computes, with the all-reduces done in-process over vocabulary slices."""
+    from rl_logp import contract
+
+    slices = [logits[:, a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+    row_max = torch.stack([engine.row_max(s, temperature) for s in slices]).amax(dim=0)
+    fixed = torch.stack([engine.fixed_sum(s, temperature, row_max, bits) for s in slices]).sum(dim=0)
+    target = torch.stack(
+        [contract.shard_target_logit(s, labels - a, temperature) for s, a in zip(slices, cuts)]
+    ).sum(dim=0)
+    lse = contract.finalize_lse(row_max, fixed, bits)
+    vocab = logits.shape[1]
+    logp = contract.assemble_logp(target, lse, labels, vocab)
+    lse_g, scale = contract.grad_row_terms(torch.ones_like(logp), lse, labels, vocab, temperature)
+    grads = []
+    for s, a in zip(slices, cuts):
+        out = torch.empty_like(s)
+        engine.grad(s, temperature, lse_g, labels - a, scale, out)
+        grads.append(out)
+    return logp, torch.cat(grads, dim=1)
+
+
+def make_engine(backend: str, chunk_bytes: int = 1 << 28):
+    from rl_logp import LogpConfig
+    from rl_logp.dispatch import make_engine as make
+
+    return make(backend, LogpConfig(chunk_bytes=chunk_bytes))
