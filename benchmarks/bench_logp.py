@@ -23,9 +23,9 @@ import time
 from collections.abc import Callable
 
 import torch
+from rl_logp.kernels.fused_logp import FusedConfig, FusedEngine
 
 import rl_logp
-from rl_logp.kernels.fused_logp import FusedConfig, FusedEngine
 
 Provider = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

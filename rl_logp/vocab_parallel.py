@@ -107,7 +107,7 @@ def _layout_problem(table: list[tuple[int, int, int, int]]) -> str:
         )
     if total >= 0 and total != widths_sum:
         return f"the slice widths sum to {widths_sum} but vocab_size={total}"
-    spans = sorted(zip(_starts(table), (t[1] for t in table)))
+    spans = sorted(zip(_starts(table), (t[1] for t in table), strict=False))
     expected = 0
     for start, width in spans:
         if start != expected:

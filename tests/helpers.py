@@ -3,6 +3,7 @@ backend/device matrix (CPU twins of the GPU tests run the same functions with ot
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -106,18 +107,18 @@ def split_vocab_logprobs(engine, logits, labels, cuts, bits=40, temperature=None
     """What the TP provider computes, with the all-reduces done in-process over vocabulary slices."""
     from rl_logp import contract
 
-    slices = [logits[:, a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+    slices = [logits[:, a:b] for a, b in itertools.pairwise(cuts)]
     row_max = torch.stack([engine.row_max(s, temperature) for s in slices]).amax(dim=0)
     fixed = torch.stack([engine.fixed_sum(s, temperature, row_max, bits) for s in slices]).sum(dim=0)
     target = torch.stack(
-        [contract.shard_target_logit(s, labels - a, temperature) for s, a in zip(slices, cuts)]
+        [contract.shard_target_logit(s, labels - a, temperature) for s, a in zip(slices, cuts, strict=False)]
     ).sum(dim=0)
     lse = contract.finalize_lse(row_max, fixed, bits)
     vocab = logits.shape[1]
     logp = contract.assemble_logp(target, lse, labels, vocab)
     lse_g, scale = contract.grad_row_terms(torch.ones_like(logp), lse, labels, vocab, temperature)
     grads = []
-    for s, a in zip(slices, cuts):
+    for s, a in zip(slices, cuts, strict=False):
         out = torch.empty_like(s)
         engine.grad(s, temperature, lse_g, labels - a, scale, out)
         grads.append(out)

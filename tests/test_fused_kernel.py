@@ -3,8 +3,17 @@ workspace. GPU tests skip on CPU; the logic tests also run under TRITON_INTERPRE
 
 import pytest
 import torch
+from helpers import (
+    HAS_CUDA,
+    INTERPRET,
+    logp_and_grad,
+    make_engine,
+    mismatches,
+    model_like_logits,
+    needs_cuda,
+    random_labels,
+)
 
-from helpers import HAS_CUDA, INTERPRET, logp_and_grad, make_engine, mismatches, model_like_logits, random_labels, needs_cuda
 from rl_logp import logprobs, resolve_backend
 
 FUSED_DEVICES = [

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from helpers import invariant_targets, logp_and_grad, model_like_logits, random_labels
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
