@@ -7,8 +7,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
-export PYTHONPATH="$PWD:/tmp/site:${PWD}/.whl/fa:${PYTHONPATH:-}"
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
+# The image's python has no setuptools editable support we can rely on: lay the package out as
+# pyproject.toml maps it (kernels/ and integrations/ inside rl_logp/) under /tmp/pkg.
+rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r rl_logp /tmp/pkg/ && cp -r kernels /tmp/pkg/rl_logp/kernels \
+  && cp -r integrations /tmp/pkg/rl_logp/integrations
+export PYTHONPATH="/tmp/pkg:/tmp/site:${PWD}/.whl/fa:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -x tests/test_fused_kernel.py tests/test_invariance.py tests/test_reference_accuracy.py -k "cuda or gpu or int32 or allocates or second_gpu or quantisations" -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
 timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/bench_logp.py --out "$OUT/h200_bench.json" "$@" 2>&1 | tee "$OUT/bench.txt" | tail -40
