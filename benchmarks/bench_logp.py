@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from rl_logp.kernels.fused_logp import FusedConfig, FusedEngine
+from rl_logp.kernels.fused_logp import QUANT_SPLIT, FusedConfig, FusedEngine
 
 import rl_logp
 
@@ -174,13 +174,12 @@ def main() -> None:
     args = parser.parse_args()
 
     variants = [
-        FusedConfig(quant=0),
-        FusedConfig(programs_per_sm=2),
-        FusedConfig(stats_warps=8),
-        FusedConfig(stats_warps=32),
-        FusedConfig(stats_block=8192),
-        FusedConfig(stats_block=2048),
-        FusedConfig(grad_block=8192, grad_warps=16),
+        FusedConfig(quant=QUANT_SPLIT),
+        FusedConfig(programs_per_sm=1),
+        FusedConfig(programs_per_sm=4),
+        FusedConfig(programs_per_sm=8),
+        FusedConfig(programs_per_sm=4, stats_warps=8),
+        FusedConfig(programs_per_sm=2, stats_block=8192, stats_warps=32),
         FusedConfig(grad_block=2048, grad_warps=4),
     ]
     bandwidth = copy_bandwidth()

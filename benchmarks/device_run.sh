@@ -13,5 +13,5 @@ rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r rl_logp /tmp/pkg/ && cp -r kernels
   && cp -r integrations /tmp/pkg/rl_logp/integrations
 export PYTHONPATH="/tmp/pkg:/tmp/site:${PWD}/.whl/fa:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -x tests/test_fused_kernel.py tests/test_invariance.py tests/test_reference_accuracy.py -k "cuda or gpu or int32 or allocates or second_gpu or quantisations" -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
+timeout "${TEST_TIMEOUT:-200}" python3 -P -m pytest -q -x tests/test_fused_kernel.py tests/test_invariance.py tests/test_reference_accuracy.py -k "cuda or gpu or int32 or allocates or second_gpu or quantisations" -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
 timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/bench_logp.py --out "$OUT/h200_bench.json" "$@" 2>&1 | tee "$OUT/bench.txt" | tail -40

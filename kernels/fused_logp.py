@@ -174,8 +174,8 @@ class FusedConfig:
 
     stats_block: int = 256 if INTERPRET else 4096
     stats_warps: int = 16
-    programs_per_sm: int = 1
-    quant: int = QUANT_SPLIT
+    programs_per_sm: int = 2
+    quant: int = QUANT_CAST
     grad_block: int = 256 if INTERPRET else 4096
     grad_warps: int = 8
 
