@@ -174,7 +174,7 @@ class FusedConfig:
 
     stats_block: int = 256 if INTERPRET else 4096
     stats_warps: int = 16
-    programs_per_sm: int = 2
+    programs_per_sm: int = 8
     quant: int = QUANT_CAST
     grad_block: int = 256 if INTERPRET else 4096
     grad_warps: int = 8
