@@ -1,0 +1,88 @@
+"""verl adapter: route verl's `logprobs_from_logits` (FSDP, automodel, torchtitan engines, naive rollout,
+prefix grouper) and Megatron's `vocab_parallel_log_probs_from_logits` through rl-logp.
+
+    from rl_logp.integrations import verl as rl_logp_verl
+    rl_logp_verl.apply(backend="fused")    # ... and rl_logp_verl.revert()
+
+Processes you do not control get it from the `verl.plugins` entry point (`rl_logp.integrations.verl_hook`)
+when `RL_LOGP_BACKEND` is set. The replacements keep verl's signatures, shapes and fp32 results.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from rl_logp.config import LogpConfig, resolve_config
+from rl_logp.dispatch import logprobs, resolve_backend
+
+from .patching import PatchSet
+
+logger = logging.getLogger("rl_logp.verl")
+_patches = PatchSet()
+_active: LogpConfig | None = None
+
+
+def make_logprobs_from_logits(config: LogpConfig):
+    """A drop-in for verl's `logprobs_from_logits(logits, labels, inplace_backward=True)`."""
+
+    def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True):
+        # verl's default inplace_backward=True is safe for verl's callers only when nothing else saved the
+        # logits; rl-logp's version bump turns an unsafe use into an autograd error instead of bad grads.
+        return logprobs(logits, labels, config=config, inplace_backward=inplace_backward)
+
+    return logprobs_from_logits
+
+
+def make_vocab_parallel_log_probs_from_logits(config: LogpConfig, group_getter=None):
+    """A drop-in for `verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits`."""
+
+    def vocab_parallel_log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor):
+        if group_getter is None:
+            from megatron.core import parallel_state as mpu
+
+            group = mpu.get_tensor_model_parallel_group()
+        else:
+            group = group_getter()
+        return logprobs(logits, labels, config=config, tp_group=group)
+
+    return vocab_parallel_log_probs_from_logits
+
+
+def apply(backend: str | None = None, config: LogpConfig | dict[str, Any] | None = None, **options: Any) -> LogpConfig:
+    """Patch verl (idempotent: a second call re-points the patches at the new config). Returns the config."""
+    global _active
+    cfg = resolve_config(config, backend=backend, **options)
+    revert()
+    import verl.utils.torch_functional as tf
+
+    original = tf.logprobs_from_logits
+    n = _patches.replace_everywhere(original, make_logprobs_from_logits(cfg))
+    try:
+        import verl.utils.megatron.tensor_parallel as megatron_tp
+    except ImportError:
+        megatron_tp = None  # Megatron-LM is not installed: nothing to patch on that side
+    if megatron_tp is not None:
+        mp_original = megatron_tp.vocab_parallel_log_probs_from_logits
+        n += _patches.replace_everywhere(mp_original, make_vocab_parallel_log_probs_from_logits(cfg))
+    _active = cfg
+    where = "cuda" if torch.cuda.is_available() else "cpu"
+    logger.warning(
+        "rl_logp: verl logprobs_from_logits -> rl_logp backend=%s (%s on %s), %d bindings patched",
+        cfg.backend, resolve_backend(cfg.backend, torch.device(where)), where, n,
+    )
+    return cfg
+
+
+def revert() -> None:
+    """Restore every verl binding `apply` replaced."""
+    global _active
+    _patches.revert()
+    _active = None
+
+
+def active_config() -> LogpConfig | None:
+    """The config of the current patch, or None when verl is not patched."""
+    return _active
