@@ -174,13 +174,11 @@ def main() -> None:
     args = parser.parse_args()
 
     variants = [
-        FusedConfig(quant=QUANT_SPLIT),
-        FusedConfig(programs_per_sm=1),
-        FusedConfig(programs_per_sm=4),
-        FusedConfig(programs_per_sm=8),
-        FusedConfig(programs_per_sm=4, stats_warps=8),
-        FusedConfig(programs_per_sm=2, stats_block=8192, stats_warps=32),
-        FusedConfig(grad_block=2048, grad_warps=4),
+        FusedConfig(split_row=False),
+        FusedConfig(split_row=False, quant=QUANT_SPLIT),
+        FusedConfig(split_segment=8192, split_warps=8),
+        FusedConfig(split_segment=32768, split_warps=32),
+        FusedConfig(split_segment=16384, split_warps=8),
     ]
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth (read+write): {bandwidth / 1e12:.3f} TB/s", flush=True)
