@@ -12,12 +12,6 @@ wrapping uint32 lanes, which avoids a float-to-int64 conversion per element; `QU
 cast. Both give the same integers (F <= 44 for the split). Under the Triton interpreter the
 round-toward-zero add is emulated with floor, which is the same function on its domain.
 
-One-read forward (`_split_row_stats_kernel`, the default on GPUs): each row is cut into segments of
-16384 columns held in registers by one program each; the exact max meets in a float atomic max, a
-per-row counter releases the second pass, and the sums meet in an int64 atomic add (order-free). The
-grid is sized from the compiled kernel's registers so that every program is resident; a bounded spin
-raises instead of hanging if that ever fails.
-
 Backward (`_grad_kernel`): (onehot - exp(z - lse)) * g/T, row-local, streamed once; it may write into
 the logits' own storage (inplace_backward). Exponentials use libdevice's accurate expf, the function
 torch's CUDA `exp` uses, so the chunked torch path and this kernel agree bit for bit on a GPU.
@@ -147,59 +141,6 @@ def _row_stats_kernel(
 
 
 @triton.jit
-def _split_row_stats_kernel(
-    X,
-    stride_x,
-    TEMP,
-    RAW_MAX,
-    COUNT,
-    MAX_OUT,
-    SUM_OUT,
-    STUCK,
-    n_rows,
-    n_cols,
-    n_segments,
-    n_groups,
-    rows_per_group,
-    scale_full,
-    max_spins,
-    HAS_TEMP: tl.constexpr,
-    SEG: tl.constexpr,
-):
-    # A row is cut into n_segments column segments; program pid holds segment pid % n_segments of
-    # one row at a time in registers, so both passes read HBM once. The segments' maxima meet in an
-    # exact float atomic max; a counter tells when all have arrived (every program of the grid is
-    # resident, so the wait ends); the int64 atomic add of the sums is order-free.
-    pid = tl.program_id(0)
-    seg = pid % n_segments
-    group = pid // n_segments
-    cols = seg * SEG + tl.arange(0, SEG)
-    mask = cols < n_cols
-    for i in range(0, rows_per_group):
-        row = i * n_groups + group
-        if row < n_rows:
-            x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            tl.atomic_max(RAW_MAX + row, tl.max(x, 0))
-            seen = tl.atomic_add(COUNT + row, 1) + 1
-            spins = 0
-            while (seen < n_segments) & (spins < max_spins):
-                seen = tl.atomic_add(COUNT + row, 0)
-                spins += 1
-            if seen < n_segments:
-                tl.atomic_add(STUCK, 1)
-            row_max = tl.atomic_max(RAW_MAX + row, float("-inf"))
-            if HAS_TEMP:
-                temp = tl.load(TEMP + row)
-                row_max = tl.math.div_rn(row_max, temp)
-                x = tl.math.div_rn(x, temp)
-            if seg == 0:
-                tl.store(MAX_OUT + row, row_max)
-            shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-            q = (_exact_exp(x - shift) * scale_full).to(tl.int64)
-            tl.atomic_add(SUM_OUT + row, tl.sum(q, 0))
-
-
-@triton.jit
 def _grad_kernel(
     X,
     stride_x,
@@ -237,9 +178,6 @@ class FusedConfig:
     quant: int = QUANT_CAST
     grad_block: int = 256 if INTERPRET else 4096
     grad_warps: int = 8
-    split_row: bool = not INTERPRET  # the one-read forward; the interpreter runs programs one by one
-    split_segment: int = 16384
-    split_warps: int = 16
 
 
 @functools.lru_cache(maxsize=8)
@@ -247,19 +185,6 @@ def _program_slots(device_index: int) -> int:
     if INTERPRET or device_index < 0:
         return 4
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _resident_programs(device_index: int, args: list, meta: dict) -> int:
-    """How many programs of the split-row kernel fit on the device at once (all must be resident)."""
-    compiled = _split_row_stats_kernel.warmup(*args, 1, 1, 1.0, 1, grid=(1,), **meta)
-    if getattr(compiled, "n_regs", None) is None:
-        compiled._init_handles()
-    props = torch.cuda.get_device_properties(device_index)
-    threads = 32 * meta["num_warps"]
-    by_regs = 65536 // max(1, compiled.n_regs * threads)
-    by_smem = props.shared_memory_per_multiprocessor // max(1, compiled.metadata.shared) if compiled.metadata.shared else 32
-    per_sm = max(1, min(2048 // threads, by_regs, by_smem, 32))
-    return per_sm * props.multi_processor_count
 
 
 def _device_guard(x: torch.Tensor):
@@ -330,29 +255,7 @@ class FusedEngine(LogpEngine):
     def row_stats(
         self, x: torch.Tensor, temperature: torch.Tensor | None, bits: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.config.split_row and x.is_cuda and x.shape[1] > 0:
-            return self._split_row_stats(x, temperature, bits)
         return self._stats(x, temperature, None, bits, True, True)
-
-    def _split_row_stats(self, x, temperature, bits):
-        n, vocab = x.shape
-        cfg = self.config
-        segments = triton.cdiv(vocab, cfg.split_segment)
-        raw_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
-        count = torch.zeros(n, dtype=torch.int32, device=x.device)
-        max_out = torch.empty(n, dtype=torch.float32, device=x.device)
-        sum_out = torch.zeros(n, dtype=torch.int64, device=x.device)
-        stuck = torch.zeros(1, dtype=torch.int32, device=x.device)
-        args = [x, x.stride(0), temperature, raw_max, count, max_out, sum_out, stuck, n, vocab, segments]
-        meta = dict(HAS_TEMP=temperature is not None, SEG=cfg.split_segment, num_warps=cfg.split_warps)
-        with _device_guard(x):
-            groups = max(1, min(n, _resident_programs(x.device.index, args, meta) // segments))
-            _split_row_stats_kernel[(groups * segments,)](
-                *args, groups, triton.cdiv(n, groups), float(2.0**bits), 1 << 20, **meta
-            )
-            if int(stuck.item()):
-                raise RuntimeError("rl_logp: the split-row kernel's segments did not meet (not all resident)")
-        return max_out, sum_out
 
     def grad(
         self,
