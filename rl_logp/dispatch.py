@@ -161,3 +161,30 @@ def logprobs(
     engine = make_engine(name, cfg)
     out = InvariantLogp.apply(x, y, temp, engine, cfg.fixed_point_bits, shard, inplace_backward)
     return out.reshape(inputs.lead_shape)
+
+
+@torch.no_grad()
+def logsumexp(
+    logits: torch.Tensor,
+    *,
+    backend: str | None = None,
+    temperature: float | torch.Tensor | None = None,
+    config: LogpConfig | dict | None = None,
+) -> torch.Tensor:
+    """The contract's lse of each row of `logits / temperature` (fp32, shape `logits.shape[:-1]`).
+
+    The same bits `logprobs` subtracts, for providers that need every column's logprob (vLLM's
+    full-vocab logprobs, top-k): `logprob[j] = fp32(logits[j]) / T - lse`. Not differentiable.
+    """
+    cfg = resolve_config(config, backend=backend)
+    labels = torch.zeros(logits.shape[:-1], dtype=torch.int64, device=logits.device)
+    inputs = prepare_inputs(logits, labels, temperature)
+    name = resolve_backend(cfg.backend, inputs.logits.device)
+    if name not in ("fused", "chunked"):
+        raise ValueError(f"rl_logp: logsumexp needs an invariant backend (fused/chunked/auto), got {name!r}")
+    check_vocab_fits(inputs.logits.shape[1], cfg.fixed_point_bits)
+    if inputs.logits.shape[0] == 0:
+        return torch.zeros(inputs.lead_shape, dtype=torch.float32, device=logits.device)
+    engine = make_engine(name, cfg)
+    row_max, fixed = engine.row_stats(inputs.logits, inputs.temperature, cfg.fixed_point_bits)
+    return contract.finalize_lse(row_max, fixed, cfg.fixed_point_bits).reshape(inputs.lead_shape)

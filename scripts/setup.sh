@@ -6,3 +6,8 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test,verl]"
+# vLLM 0.24.0 (the version verl 0.9.1 pins) pins torch 2.11 and CUDA packages: install it without its
+# dependencies, plus the few pure-Python ones its V1 sampler imports, so it runs on this CPU torch.
+.venv/bin/python -m pip install -q --no-deps "vllm==0.24.0"
+.venv/bin/python -m pip install -q cachetools==8.0.2 cbor2==6.3.0 msgspec==0.23.0 openai==3.57.0 \
+  openai-harmony==0.0.8 py-cpuinfo==9.0.0 pybase64==1.5.1 pyzmq==27.3.0 uvloop==0.23.0
