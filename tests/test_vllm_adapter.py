@@ -100,3 +100,52 @@ def test_rollout_provider_runs_vllm_code_and_matches_the_trainer():
         assert "vLLM V1 Sampler" in provider.description
     finally:
         adapter.revert()
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_v2_topk_logprobs_patched_equal_fused(dtype):
+    from vllm.v1.worker.gpu.sample import logprob
+
+    logits = (torch.randn(257, 151936, device="cuda") * 3).to(dtype)
+    sampled = torch.randint(0, 151936, (257,), device="cuda")
+    stock = logprob.compute_topk_logprobs(logits, 5, sampled)
+    want = rl_logp.logprobs(logits, sampled, backend="fused")
+    stock_differing = int((stock.logprobs[:, 0].view(torch.int32) != want.view(torch.int32)).sum())
+    print(f"stock vLLM V2 Triton logprobs vs rl-logp fused: {stock_differing}/257 rows differ")
+    adapter.apply(backend="fused")
+    try:
+        got = logprob.compute_topk_logprobs(logits, 5, sampled)
+    finally:
+        adapter.revert()
+    assert torch.equal(got.logprobs[:, 0].view(torch.int32), want.view(torch.int32))
+    assert torch.equal(got.selected_token_ranks, stock.selected_token_ranks)
+    assert torch.equal(got.logprob_token_ids, stock.logprob_token_ids)
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_cuda_v1_sampler_patched_equal_fused(mode):
+    adapter.apply(backend="fused")
+    try:
+        from vllm.v1.sample.sampler import Sampler
+
+        sampler = Sampler(logprobs_mode=mode)
+        differing = 0
+        for batch in (1, 7, 64, 129):
+            logits = (torch.randn(batch, 151936, device="cuda") * 3).to(torch.bfloat16)
+            md = _metadata(batch, 0.7, 2)
+            md.temperature = md.temperature.cuda()
+            md.frequency_penalties, md.presence_penalties, md.repetition_penalties = (
+                md.frequency_penalties.cuda(), md.presence_penalties.cuda(), md.repetition_penalties.cuda())
+            out = sampler.forward(logits.clone(), md)
+            tokens = out.sampled_token_ids[:, 0].long()
+            want = rl_logp.logprobs(logits, tokens, backend="fused",
+                                    temperature=0.7 if mode == "processed_logprobs" else None)
+            differing += int((out.logprobs_tensors.logprobs[:, 0].view(torch.int32) != want.view(torch.int32)).sum())
+        assert differing == 0
+    finally:
+        adapter.revert()
