@@ -100,10 +100,11 @@ def _peak_growth(n, backend):
 def test_chunked_forward_workspace_does_not_grow_with_n():
     # Peak RSS growth of one forward over 4096 and 16384 rows of 4096 fp32 logits (64 MB / 256 MB):
     # the chunked path stays within its 4 MiB budget plus allocator slack at both N; the torch baseline
-    # (a full log_softmax copy) grows with N, which shows the probe can see workspace.
+    # (a full log_softmax copy of 256 MB) breaks the same bound, which shows the probe can see workspace.
+    bound = 48 << 20
     small, large = _peak_growth(4096, "chunked"), _peak_growth(16384, "chunked")
-    assert small < 48 << 20 and large < 48 << 20, (small, large)
-    assert _peak_growth(16384, "torch") > 200 << 20
+    assert small < bound and large < bound, (small, large)
+    assert _peak_growth(16384, "torch") > bound
 
 
 @pytest.mark.parametrize("world", [2, 4])
