@@ -96,19 +96,22 @@ def run(args, rank: int, world: int, device: torch.device) -> list[Comparison] |
 
 
 def init_world(backend: str | None = None, timeout_s: float = 300.0) -> tuple[int, int, torch.device]:
-    """Join the process group torchrun (or `__main__`'s spawner) describes; NCCL on GPUs, gloo on CPUs."""
+    """Join the process group torchrun (or `__main__`'s spawner) describes.
+
+    Tensors live on GPU `LOCAL_RANK % device_count` when CUDA is there (several ranks may share one GPU),
+    else on the CPU; the group is NCCL on GPUs unless `backend` says otherwise (gloo stages through the CPU).
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    use_cuda = torch.cuda.is_available() and backend != "gloo"
     device = torch.device("cpu")
-    if use_cuda:
-        local = int(os.environ.get("LOCAL_RANK", rank))
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     if world > 1 and not dist.is_initialized():
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         dist.init_process_group(
-            backend=backend or ("nccl" if use_cuda else "gloo"),
+            backend=backend or ("nccl" if device.type == "cuda" else "gloo"),
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     return rank, world, device
