@@ -1,5 +1,6 @@
 """verl adapter: route verl's `logprobs_from_logits` (FSDP, automodel, torchtitan engines, naive rollout,
-prefix grouper) and Megatron's `vocab_parallel_log_probs_from_logits` through rl-logp.
+prefix grouper), its `entropy_from_logits` (and the chunked variant; batch-invariant entropy from
+`rl_logp.entropy`) and Megatron's `vocab_parallel_log_probs_from_logits` through rl-logp.
 
     from rl_logp.integrations import verl as rl_logp_verl
     rl_logp_verl.apply(backend="fused")    # ... and rl_logp_verl.revert()
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from rl_logp.config import LogpConfig, resolve_config
-from rl_logp.dispatch import logprobs, resolve_backend
+from rl_logp.dispatch import entropy, logprobs, resolve_backend
 
 from .patching import PatchSet
 
@@ -34,6 +35,15 @@ def make_logprobs_from_logits(config: LogpConfig):
         return logprobs(logits, labels, config=config, inplace_backward=inplace_backward)
 
     return logprobs_from_logits
+
+
+def make_entropy_from_logits(config: LogpConfig):
+    """A drop-in for verl's `entropy_from_logits(logits)` and `..._with_chunking(logits, chunk_size)`."""
+
+    def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+        return entropy(logits, config=config)
+
+    return entropy_from_logits
 
 
 def make_vocab_parallel_log_probs_from_logits(config: LogpConfig, group_getter=None):
@@ -60,6 +70,10 @@ def apply(backend: str | None = None, config: LogpConfig | dict[str, Any] | None
 
     original = tf.logprobs_from_logits
     n = _patches.replace_everywhere(original, make_logprobs_from_logits(cfg))
+    entropy_fn = make_entropy_from_logits(cfg)
+    for name in ("entropy_from_logits", "entropy_from_logits_with_chunking"):
+        if hasattr(tf, name):
+            n += _patches.replace_everywhere(getattr(tf, name), entropy_fn)
     try:
         import verl.utils.megatron.tensor_parallel as megatron_tp
     except ImportError:

@@ -13,7 +13,15 @@ from collections.abc import Iterator
 
 import torch
 
-from rl_logp.contract import NEG_INF, block_fixed_sum_, block_grad, block_row_max, scaled_logits
+from rl_logp.contract import (
+    NEG_INF,
+    block_entropy_grad,
+    block_entropy_sum_,
+    block_fixed_sum_,
+    block_grad,
+    block_row_max,
+    scaled_logits,
+)
 from rl_logp.engine import LogpEngine
 
 # Workspace bytes per element of a block: an fp32 copy of the logits plus its int64 fixed-point terms.
@@ -117,5 +125,29 @@ class ChunkedEngine(LogpEngine):
                     lse_for_grad[rows],
                     local_labels[rows] - cols.start,
                     grad_scale[rows],
+                )
+                out[rows, cols].copy_(block)
+
+    def entropy_sum(
+        self, x: torch.Tensor, temperature: torch.Tensor | None, row_max: torch.Tensor, bits: int
+    ) -> torch.Tensor:
+        """sum_j trunc(exp(z - M) (z - M) 2^F) per row, int64 (see contract.block_entropy_sum_)."""
+        n, vocab = x.shape
+        out = torch.zeros(n, dtype=torch.int64, device=x.device)
+        plan = self.plan(vocab)
+        for rows in plan.row_blocks(n):
+            for cols in plan.col_blocks(vocab):
+                z = scaled_logits(x[rows, cols], _rows_of(temperature, rows))
+                out[rows] += block_entropy_sum_(z, row_max[rows], bits)
+        return out
+
+    def entropy_grad(self, x, temperature, lse, entropy, grad_scale, out) -> None:
+        """Write the entropy's gradient block by block into `out`."""
+        n, vocab = x.shape
+        plan = self.plan(vocab)
+        for rows in plan.row_blocks(n):
+            for cols in plan.col_blocks(vocab):
+                block = block_entropy_grad(
+                    x[rows, cols], _rows_of(temperature, rows), lse[rows], entropy[rows], grad_scale[rows]
                 )
                 out[rows, cols].copy_(block)

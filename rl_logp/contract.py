@@ -119,3 +119,38 @@ def block_grad(
     d[rows, cols] = d[rows, cols] + 1.0
     d.mul_(grad_scale.unsqueeze(1))
     return d.masked_fill_(torch.isposinf(lse_for_grad).unsqueeze(1), 0.0)
+
+
+def block_entropy_sum_(z: torch.Tensor, row_max: torch.Tensor, bits: int) -> torch.Tensor:
+    """sum_j trunc(exp(d) * d * 2^F) with d = z - M, as int64 per row (signed, order-free); consumes z.
+
+    Terms with exp(d) == 0 (masked -inf columns) contribute exactly 0.
+    """
+    shift = torch.where(row_max == NEG_INF, torch.zeros_like(row_max), row_max)
+    d = z.sub_(shift.unsqueeze(1))
+    e = torch.exp(d)
+    term = e.mul_(d).mul_(2.0**bits)
+    term.masked_fill_(torch.isnan(term), 0.0)
+    return term.to(torch.int64).sum(dim=1)
+
+
+def finalize_entropy(fixed_sum: torch.Tensor, entropy_sum: torch.Tensor, bits: int) -> torch.Tensor:
+    """H = log(S 2^-F) - E / S in fp64, rounded to fp32; 0 for fully masked rows (S == 0)."""
+    s = fixed_sum.to(torch.float64)
+    h = torch.log(s * 2.0**-bits) - entropy_sum.to(torch.float64) / s
+    return torch.where(fixed_sum > 0, h, torch.zeros_like(h)).to(torch.float32)
+
+
+def block_entropy_grad(
+    x: torch.Tensor,
+    temperature: torch.Tensor | None,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_scale: torch.Tensor,
+) -> torch.Tensor:
+    """dH/dz = -p * (z - lse + H), times g/T: formed as (p * ((z - lse) + H)) * (-(g/T)), 0 where p == 0."""
+    d = scaled_logits(x, temperature)
+    d.sub_(lse.unsqueeze(1))
+    p = torch.exp(d)
+    d.add_(entropy.unsqueeze(1)).mul_(p).mul_(grad_scale.unsqueeze(1))
+    return d.masked_fill_(p == 0, 0.0)

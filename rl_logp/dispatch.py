@@ -188,3 +188,55 @@ def logsumexp(
     engine = make_engine(name, cfg)
     row_max, fixed = engine.row_stats(inputs.logits, inputs.temperature, cfg.fixed_point_bits)
     return contract.finalize_lse(row_max, fixed, cfg.fixed_point_bits).reshape(inputs.lead_shape)
+
+
+class InvariantEntropy(torch.autograd.Function):
+    """H = -sum p log p per row from three order-free statistics (M, S, E); row-local backward."""
+
+    @staticmethod
+    def forward(ctx, x, temperature, engine, bits):
+        row_max, fixed = engine.row_stats(x, temperature, bits)
+        entropy_fixed = engine.entropy_sum(x, temperature, row_max, bits)
+        lse = contract.finalize_lse(row_max, fixed, bits)
+        entropy = contract.finalize_entropy(fixed, entropy_fixed, bits)
+        ctx.save_for_backward(x, temperature, lse, entropy)
+        ctx.engine = engine
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, temperature, lse, entropy = ctx.saved_tensors
+        scale = grad_out.to(torch.float32)
+        if temperature is not None:
+            scale = scale / temperature
+        masked = lse == contract.NEG_INF  # fully -inf rows: zero gradient (and no -inf - -inf)
+        scale = torch.where(masked, torch.zeros_like(scale), -scale)
+        lse = torch.where(masked, torch.zeros_like(lse), lse)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        ctx.engine.entropy_grad(x, temperature, lse, entropy, scale, out)
+        return out, None, None, None
+
+
+def entropy(
+    logits: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor | None = None,
+    config: LogpConfig | dict | None = None,
+    chunk_bytes: int | None = None,
+) -> torch.Tensor:
+    """Entropy of `softmax(logits / temperature)` per row, fp32, differentiable, batch-invariant.
+
+    Uses the `chunked` engine on every device (the fused kernel has no entropy pass yet).
+    Fully -inf rows give 0.
+    """
+    cfg = resolve_config(config, chunk_bytes=chunk_bytes)
+    labels = torch.zeros(logits.shape[:-1], dtype=torch.int64, device=logits.device)
+    inputs = prepare_inputs(logits, labels, temperature)
+    if inputs.logits.shape[1] == 0:
+        raise ValueError("rl_logp: logits have an empty vocabulary dimension (V == 0)")
+    check_vocab_fits(inputs.logits.shape[1], cfg.fixed_point_bits)
+    if inputs.logits.shape[0] == 0:
+        return torch.zeros(inputs.lead_shape, dtype=torch.float32, device=logits.device) + logits.sum() * 0
+    engine = ChunkedEngine(cfg.chunk_bytes)
+    out = InvariantEntropy.apply(inputs.logits, inputs.temperature, engine, cfg.fixed_point_bits)
+    return out.reshape(inputs.lead_shape)

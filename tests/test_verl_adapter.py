@@ -159,3 +159,11 @@ def test_ray_worker_gets_the_patch_from_runtime_env_alone():
     y = torch.randint(0, 77, (5,), generator=g)
     assert module == "rl_logp.integrations.verl"
     assert torch.equal(out, rl_logp.logprobs(x, y, backend="chunked"))
+
+
+def test_entropy_from_logits_is_patched_too(patched):
+    import verl.utils.torch_functional as tf
+
+    x = torch.randn(6, 301)
+    assert torch.equal(tf.entropy_from_logits(x), rl_logp.entropy(x))
+    assert torch.equal(tf.entropy_from_logits_with_chunking(x, chunk_size=2), rl_logp.entropy(x))
