@@ -12,12 +12,13 @@ fi
 rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r rl_logp /tmp/pkg/ && cp -r kernels /tmp/pkg/rl_logp/kernels \
   && cp -r integrations /tmp/pkg/rl_logp/integrations
 export PYTHONPATH="/tmp/pkg:/tmp/site:${PWD}/.whl/fa:${PWD}/.whl/vslim:${PYTHONPATH:-}"
+python3 -P -c "import vllm.v1.sample.sampler, vllm.v1.worker.gpu.sample.logprob" 2>&1 | grep -vE "^(INFO|WARNING)" | tail -3
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-timeout "${TEST_TIMEOUT:-200}" python3 -P -m pytest -q -x tests/test_fused_kernel.py tests/test_invariance.py tests/test_reference_accuracy.py tests/test_vllm_adapter.py -k "cuda or gpu or int32 or allocates or second_gpu or quantisations" -p no:cacheprovider -s 2>&1 | grep -vE '^(INFO|WARNING)' | tail -30 | tee "$OUT/gpu_tests.txt"
+timeout "${TEST_TIMEOUT:-200}" python3 -P -m pytest -q -x tests/test_fused_kernel.py tests/test_invariance.py tests/test_reference_accuracy.py tests/test_vllm_adapter.py -k "cuda or gpu or int32 or allocates or second_gpu or quantisations" -p no:cacheprovider -s -rs 2>&1 | grep -vE '^(INFO|WARNING)' | tail -30 | tee "$OUT/gpu_tests.txt"
 [ -n "${SKIP_BENCH:-}" ] || timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/bench_logp.py --out "$OUT/h200_bench.json" "$@" 2>&1 | tee "$OUT/bench.txt" | tail -40
 if [ -n "${RUN_CHECK:-}" ]; then
   # TP=1 and a spawned TP=2 gloo world sharing this GPU, fused underneath, at the Qwen vocabulary.
-  timeout 240 python3 -m rl_logp.check --world 2 --rows 4096 --vocab 151936 \
+  timeout 240 python3 -P -m rl_logp.check --world 2 --rows 4096 --vocab 151936 \
     --backends auto chunked torch flash_attn --json "$OUT/check_gpu_tp2.json" 2>&1 \
     | grep -vE '^(INFO|WARNING)' | tee "$OUT/check_gpu.txt" | tail -60
 fi
