@@ -87,7 +87,6 @@ class InvariantLogp(torch.autograd.Function):
             shard.all_reduce_sum(target)
         ctx.save_for_backward(x, labels, local_labels, lse, temperature)
         ctx.engine, ctx.vocab, ctx.inplace_backward = engine, vocab, inplace_backward
-        ctx.mark_non_differentiable(labels)
         return contract.assemble_logp(target, lse, labels, vocab)
 
     @staticmethod
