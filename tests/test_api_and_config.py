@@ -134,7 +134,9 @@ def rank(r, port):
     try:
         rl_logp.logprobs(x, y, backend="chunked", tp_group=dist.group.WORLD)
     except ValueError as e:
-        print("rank", r, "ValueError", "different numbers of rows" in str(e), flush=True)
+        # one write per rank (atomic on a pipe), so the two ranks' lines cannot interleave
+        sys.stdout.write(f"rank {r} ValueError {'different numbers of rows' in str(e)}\n")
+        sys.stdout.flush()
 if __name__ == "__main__":
     import socket
     s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
