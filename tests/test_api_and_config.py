@@ -135,7 +135,7 @@ def rank(r, port):
         rl_logp.logprobs(x, y, backend="chunked", tp_group=dist.group.WORLD)
     except ValueError as e:
         # one write per rank (atomic on a pipe), so the two ranks' lines cannot interleave
-        sys.stdout.write(f"rank {r} ValueError {'different numbers of rows' in str(e)}\n")
+        sys.stdout.write(f"rank {r} ValueError {'different numbers of rows' in str(e)}\\n")
         sys.stdout.flush()
 if __name__ == "__main__":
     import socket
