@@ -53,6 +53,12 @@ class ChunkPlan:
         for start in range(0, vocab, self.cols):
             yield slice(start, min(vocab, start + self.cols))
 
+    def blocks(self, n: int, vocab: int) -> Iterator[tuple[slice, slice]]:
+        """Every (rows, cols) tile of an [n, vocab] block of logits."""
+        for rows in self.row_blocks(n):
+            for cols in self.col_blocks(vocab):
+                yield rows, cols
+
 
 def _rows_of(temperature: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     return None if temperature is None else temperature[rows]
@@ -72,24 +78,24 @@ class ChunkedEngine(LogpEngine):
     def row_max(self, x: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
         n, vocab = x.shape
         out = torch.full((n,), NEG_INF, dtype=torch.float32, device=x.device)
-        plan = self.plan(vocab)
-        for rows in plan.row_blocks(n):
-            for cols in plan.col_blocks(vocab):
-                block = block_row_max(scaled_logits(x[rows, cols], _rows_of(temperature, rows)))
-                torch.maximum(out[rows], block, out=out[rows])
+        for rows, cols in self.plan(vocab).blocks(n, vocab):
+            block = block_row_max(scaled_logits(x[rows, cols], _rows_of(temperature, rows)))
+            torch.maximum(out[rows], block, out=out[rows])
+        return out
+
+    def _integer_sum(self, x, temperature, row_max, bits, block_sum_) -> torch.Tensor:
+        """Per-row int64 sum of `block_sum_(z, M, bits)` over all tiles (exact: tiling is invisible)."""
+        n, vocab = x.shape
+        out = torch.zeros(n, dtype=torch.int64, device=x.device)
+        for rows, cols in self.plan(vocab).blocks(n, vocab):
+            z = scaled_logits(x[rows, cols], _rows_of(temperature, rows))
+            out[rows] += block_sum_(z, row_max[rows], bits)
         return out
 
     def fixed_sum(
         self, x: torch.Tensor, temperature: torch.Tensor | None, row_max: torch.Tensor, bits: int
     ) -> torch.Tensor:
-        n, vocab = x.shape
-        out = torch.zeros(n, dtype=torch.int64, device=x.device)
-        plan = self.plan(vocab)
-        for rows in plan.row_blocks(n):
-            for cols in plan.col_blocks(vocab):
-                z = scaled_logits(x[rows, cols], _rows_of(temperature, rows))
-                out[rows] += block_fixed_sum_(z, row_max[rows], bits)
-        return out
+        return self._integer_sum(x, temperature, row_max, bits, block_fixed_sum_)
 
     def row_stats(
         self, x: torch.Tensor, temperature: torch.Tensor | None, bits: int
@@ -116,38 +122,27 @@ class ChunkedEngine(LogpEngine):
         out: torch.Tensor,
     ) -> None:
         n, vocab = x.shape
-        plan = self.plan(vocab)
-        for rows in plan.row_blocks(n):
-            for cols in plan.col_blocks(vocab):
-                block = block_grad(
-                    x[rows, cols],
-                    _rows_of(temperature, rows),
-                    lse_for_grad[rows],
-                    local_labels[rows] - cols.start,
-                    grad_scale[rows],
-                )
-                out[rows, cols].copy_(block)
+        for rows, cols in self.plan(vocab).blocks(n, vocab):
+            block = block_grad(
+                x[rows, cols],
+                _rows_of(temperature, rows),
+                lse_for_grad[rows],
+                local_labels[rows] - cols.start,
+                grad_scale[rows],
+            )
+            out[rows, cols].copy_(block)
 
     def entropy_sum(
         self, x: torch.Tensor, temperature: torch.Tensor | None, row_max: torch.Tensor, bits: int
     ) -> torch.Tensor:
         """sum_j trunc(exp(z - M) (z - M) 2^F) per row, int64 (see contract.block_entropy_sum_)."""
-        n, vocab = x.shape
-        out = torch.zeros(n, dtype=torch.int64, device=x.device)
-        plan = self.plan(vocab)
-        for rows in plan.row_blocks(n):
-            for cols in plan.col_blocks(vocab):
-                z = scaled_logits(x[rows, cols], _rows_of(temperature, rows))
-                out[rows] += block_entropy_sum_(z, row_max[rows], bits)
-        return out
+        return self._integer_sum(x, temperature, row_max, bits, block_entropy_sum_)
 
     def entropy_grad(self, x, temperature, lse, entropy, grad_scale, out) -> None:
         """Write the entropy's gradient block by block into `out`."""
         n, vocab = x.shape
-        plan = self.plan(vocab)
-        for rows in plan.row_blocks(n):
-            for cols in plan.col_blocks(vocab):
-                block = block_entropy_grad(
-                    x[rows, cols], _rows_of(temperature, rows), lse[rows], entropy[rows], grad_scale[rows]
-                )
-                out[rows, cols].copy_(block)
+        for rows, cols in self.plan(vocab).blocks(n, vocab):
+            block = block_entropy_grad(
+                x[rows, cols], _rows_of(temperature, rows), lse[rows], entropy[rows], grad_scale[rows]
+            )
+            out[rows, cols].copy_(block)
