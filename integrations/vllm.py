@@ -1,24 +1,30 @@
 """vLLM adapter: every logprob vLLM computes comes from rl-logp's invariant lse.
 
-Patched, where the installed vLLM has them (probed, not assumed):
-- Model Runner V1: `vllm.v1.sample.sampler.Sampler.compute_logprobs` (full-vocab logprobs; the sampled
-  token, top-k and ranks of every `logprobs_mode` are gathered from it by vLLM's own code).
+Patched, where the installed vLLM has them (probed, not assumed; 0.24.0 and 0.34.0 are tested):
+- Model Runner V1 (vLLM <= 0.2x): `vllm.v1.sample.sampler.Sampler.compute_logprobs` (full-vocab logprobs;
+  the sampled token, top-k and ranks of every `logprobs_mode` are gathered from it by vLLM's own code).
 - V1 processed modes: `TopKTopPSampler.forward_native` / `forward_cpu` (they call log_softmax on the
   processed logits themselves). Samplers bind `forward` when constructed: apply before the engine starts
   (the `vllm.general_plugins` entry point does). `forward_cuda` with FlashInfer returns no logprobs.
-- Model Runner V2: `vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs` (the Triton log-softmax
-  behind `compute_topk_logprobs`, sampled token and top-k; ranks come from the logits and need no lse).
+- Model Runner V2, GPU worker: `vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs` (the Triton
+  log-softmax behind `compute_topk_logprobs` / `compute_topk_scores`: sampled token, top-k, custom
+  logprob token ids, prompt logprobs; ranks come from the logits and need no lse), and
+  `vllm.v1.worker.gpu.sample.gumbel.apply_temperature` (vLLM's Triton `logits / T`, replaced by torch's
+  IEEE division so the processed logits are the contract's `fp32(x) / T`; T in {0, 1} stays a no-op).
+- Model Runner V2, CPU worker (vLLM >= 0.3x): `vllm.v1.worker.cpu.logprob.compute_token_logprobs`.
 
 Which logits each mode scores: `raw_logprobs` the model's logits; `processed_logprobs` the fp32 logits
 after vLLM's temperature division (and top-k/top-p masking, if used). The trainer matches the first with
 `rl_logp.logprobs(logits, tokens)` and the second with `rl_logp.logprobs(logits, tokens, temperature=T)`
-when no top-k/top-p is set (with top-k/top-p it must score the same masked logits).
+when no top-k/top-p is set (with top-k/top-p it must score the same masked logits). The `*_logits` modes
+return logits, not logprobs: nothing to patch.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import sys
 
 import torch
 
@@ -34,7 +40,10 @@ _active: LogpConfig | None = None
 
 V1_SAMPLER = "vllm.v1.sample.sampler"
 V1_TOPK_TOPP = "vllm.v1.sample.ops.topk_topp_sampler"
-V2_LOGPROB = "vllm.v1.worker.gpu.sample.logprob"
+V2_GPU_LOGPROB = "vllm.v1.worker.gpu.sample.logprob"
+V2_GPU_TEMPERATURE = "vllm.v1.worker.gpu.sample.gumbel"
+V2_CPU_LOGPROB = "vllm.v1.worker.cpu.logprob"
+V2_TOPK_NAMES = ("compute_topk_scores", "compute_topk_logprobs")
 
 
 def _try_import(name: str):
@@ -63,6 +72,16 @@ def make_compute_token_logprobs(config: LogpConfig):
         return picked - lse.unsqueeze(-1)
 
     return compute_token_logprobs
+
+
+def make_apply_temperature():
+    """Drop-in for V2 `apply_temperature(logits, expanded_idx_mapping, temperature)`, in place."""
+
+    def apply_temperature(logits: torch.Tensor, expanded_idx_mapping: torch.Tensor, temperature: torch.Tensor) -> None:
+        t = temperature[expanded_idx_mapping.to(torch.int64)].to(torch.float32)
+        logits.div_(torch.where((t == 0.0) | (t == 1.0), torch.ones_like(t), t).unsqueeze(1))
+
+    return apply_temperature
 
 
 def make_processed_logprobs_forward(original, config: LogpConfig):
@@ -100,10 +119,17 @@ def apply(backend: str | None = None, config: LogpConfig | dict | None = None, *
             _class_patches.append((topk.TopKTopPSampler, name, original))
             setattr(topk.TopKTopPSampler, name, make_processed_logprobs_forward(original, cfg))
             patched.append(f"{V1_TOPK_TOPP}.TopKTopPSampler.{name}")
-    v2 = _try_import(V2_LOGPROB)
-    if v2 is not None and hasattr(v2, "compute_token_logprobs"):
-        _patches.replace_everywhere(v2.compute_token_logprobs, make_compute_token_logprobs(cfg))
-        patched.append(f"{V2_LOGPROB}.compute_token_logprobs")
+    for module_name, attr, replacement in (
+        (V2_GPU_LOGPROB, "compute_token_logprobs", make_compute_token_logprobs(cfg)),
+        (V2_GPU_TEMPERATURE, "apply_temperature", make_apply_temperature()),
+        (V2_CPU_LOGPROB, "compute_token_logprobs", make_compute_token_logprobs(cfg)),
+    ):
+        if module_name == V2_CPU_LOGPROB and torch.cuda.is_available() and module_name not in sys.modules:
+            continue  # a GPU process never runs the CPU worker: do not import it there
+        module = _try_import(module_name)
+        if module is not None and hasattr(module, attr):
+            _patches.replace_everywhere(getattr(module, attr), replacement)
+            patched.append(f"{module_name}.{attr}")
     if not patched:
         raise ImportError("rl_logp: no vLLM logprob function found to patch (is vLLM installed?)")
     _active = cfg
@@ -126,37 +152,72 @@ def active_config() -> LogpConfig | None:
 
 
 class VllmRolloutProvider:
-    """The rollout side of `rl_logp.check`: scores given tokens through vLLM's V1 sampler code.
+    """The rollout side of `rl_logp.check`: scores given tokens through the installed vLLM's sampler code.
 
-    temperature -> `Sampler.apply_temperature` (vLLM's fp32 in-place division, processed mode),
-    then `Sampler.compute_logprobs` (patched) and `Sampler.gather_logprobs` (vLLM's gather, top-k, ranks).
-    Tokens outside [0, V) are scored as 0, the rl-logp convention (vLLM itself never sees them).
+    V1 runner (vLLM <= 0.2x): `Sampler.apply_temperature` (vLLM's fp32 in-place division, processed
+    mode), then `Sampler.compute_logprobs` (patched) and `Sampler.gather_logprobs` (vLLM's gather, top-k,
+    ranks). V2 runner (vLLM >= 0.3x, no V1 sampler): the worker's temperature step (the CPU worker's
+    `CPUSamplingStates.apply_temperature`, the GPU worker's `apply_temperature`, patched), then its
+    `compute_topk_scores` (patched lse). Tokens outside [0, V) are scored as 0, the rl-logp convention
+    (vLLM itself never sees them).
     """
 
     def __init__(self, backend: str = "auto") -> None:
-        sampler_module = importlib.import_module(V1_SAMPLER)
-        self.sampler = sampler_module.Sampler
-        apply(backend=backend)
-        self.description = f"vLLM V1 Sampler (vllm {importlib.import_module('vllm').__version__}, patched)"
+        self.patched = apply(backend=backend)
+        self._v1 = _try_import(V1_SAMPLER)
+        version = importlib.import_module("vllm").__version__
+        runner = "V1 Sampler" if self._v1 is not None else "V2 worker compute_topk_scores"
+        self.description = f"vLLM {runner} (vllm {version}, patched)"
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float | None) -> torch.Tensor:
-        x = logits.to(torch.float32)
-        if temperature is not None:
-            temp = torch.full((x.shape[0],), float(temperature), dtype=torch.float32, device=x.device)
-            x = self.sampler.apply_temperature(x, temp, True)
-        vocab = x.shape[1]
+        vocab = logits.shape[1]
         in_range = (labels >= 0) & (labels < vocab)
         tokens = torch.where(in_range, labels, torch.zeros_like(labels)).to(torch.int64)
-        full = self.sampler.compute_logprobs(x)
-        tensors = _gather(self.sampler, full, tokens)
-        return torch.where(in_range, tensors.logprobs[:, 0], torch.zeros_like(tensors.logprobs[:, 0]))
+        x = logits.to(torch.float32)
+        if self._v1 is not None:
+            picked = self._score_v1(x, tokens, temperature)
+        else:
+            picked = self._score_v2(x, tokens, temperature)
+        return torch.where(in_range, picked, torch.zeros_like(picked))
+
+    def _score_v1(self, x: torch.Tensor, tokens: torch.Tensor, temperature: float | None) -> torch.Tensor:
+        import torch._dynamo
+
+        sampler = self._v1.Sampler
+        if temperature is not None:
+            x = sampler.apply_temperature(x, _temperatures(x, temperature), True)
+        with torch._dynamo.config.patch(disable=True):
+            return sampler.gather_logprobs(sampler.compute_logprobs(x), 1, token_ids=tokens).logprobs[:, 0]
+
+    def _score_v2(self, x: torch.Tensor, tokens: torch.Tensor, temperature: float | None) -> torch.Tensor:
+        rows = torch.arange(x.shape[0], device=x.device)
+        if x.is_cuda:
+            module = importlib.import_module(V2_GPU_LOGPROB)
+            if temperature is not None:
+                importlib.import_module(V2_GPU_TEMPERATURE).apply_temperature(x, rows, _temperatures(x, temperature))
+        else:
+            module = importlib.import_module(V2_CPU_LOGPROB)
+            if temperature is not None:
+                _cpu_worker_temperature(x, temperature)
+        topk = next(getattr(module, name) for name in V2_TOPK_NAMES if hasattr(module, name))
+        return topk(x, 0, tokens).logprobs[:, 0]
 
 
-def _gather(sampler, full: torch.Tensor, tokens: torch.Tensor):
-    import torch._dynamo
+def _temperatures(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.full((x.shape[0],), float(temperature), dtype=torch.float32, device=x.device)
 
-    with torch._dynamo.config.patch(disable=True):
-        return sampler.gather_logprobs(full, 1, token_ids=tokens)
+
+def _cpu_worker_temperature(x: torch.Tensor, temperature: float) -> None:
+    """The CPU worker's own temperature step, fed through its request state as the engine does."""
+    import numpy as np
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.cpu.sampler import CPUSamplingStates
+
+    batch = x.shape[0]
+    states = CPUSamplingStates(batch, x.shape[1], x.device)
+    for row in range(batch):
+        states.add_request(row, SamplingParams(temperature=temperature, logprobs=0))
+    states.apply_temperature(x, torch.arange(batch), np.arange(batch))
 
 
 def reference_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float | None = None) -> torch.Tensor:

@@ -5,3 +5,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q -W ignore::DeprecationWarning
+# The vLLM adapter tests again, against the latest vLLM release's sources (see scripts/vllm_latest.sh).
+source scripts/vllm_latest.sh
+PYTHONPATH="${VLLM_LATEST_DIR}" .venv/bin/python -m pytest -q -W ignore::DeprecationWarning tests/test_vllm_adapter.py

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Build .whl/ (git-ignored) for a device run of benchmarks/device_run.sh: the cp312 wheels the GPU image
+# lacks, vLLM 0.24.0 and the latest release as Python sources only (the official wheels' compiled
+# libraries are hundreds of MB and a call carries 64 MiB), and flash-attn's Triton cross entropy.
+# Usage: FLASH_ATTN_SRC=/path/to/flash-attention bash benchmarks/make_device_bundle.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/vllm_latest.sh
+mkdir -p .whl && cd .whl
+fetch() {
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d . "$@"
+}
+# What vLLM's sampler modules import that the image does not hold (pins as in scripts/setup.sh).
+fetch pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+  typing-extensions==4.16.0 cachetools==8.0.2 cbor2==6.3.0 msgspec==0.23.0 openai==3.57.0 \
+  openai-harmony==0.0.8 pybase64==1.5.1 pyzmq==27.3.0 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1 \
+  httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
+for version in 0.24.0 "${VLLM_LATEST}"; do
+  [ -f "vllm-src-${version}.tar.xz" ] && continue
+  python3 -m pip download -q --no-deps vllm=="${version}" -d /tmp/vllm-wheel-"${version}"
+  rm -rf /tmp/vllm-src && mkdir -p /tmp/vllm-src
+  python3 - "${version}" <<'PY'
+import sys, zipfile
+from pathlib import Path
+version = sys.argv[1]
+wheel = next(Path(f"/tmp/vllm-wheel-{version}").glob("vllm-*.whl"))
+with zipfile.ZipFile(wheel) as z:
+    # The dist-info too: vLLM reads its own version from the package metadata to pick its platform.
+    names = [n for n in z.namelist() if (n.startswith("vllm/") and n.endswith(".py")
+             and not n.startswith("vllm/model_executor/models/")) or n.startswith(f"vllm-{version}.dist-info/")]
+    z.extractall("/tmp/vllm-src", names)
+# vllm.platforms.cuda imports this compiled library at its top; the sampler code never calls into it.
+Path("/tmp/vllm-src/vllm/_C_stable_libtorch.py").write_text(
+    '"""Stand-in for the compiled vllm._C_stable_libtorch (not carried to the device)."""\n')
+PY
+  tar -C /tmp/vllm-src -cJf "vllm-src-${version}.tar.xz" .
+  rm -rf /tmp/vllm-wheel-"${version}" /tmp/vllm-src
+done
+if [ -n "${FLASH_ATTN_SRC:-}" ]; then
+  mkdir -p fa/flash_attn/ops/triton
+  git -C "${FLASH_ATTN_SRC}" show HEAD:flash_attn/ops/triton/cross_entropy.py > fa/flash_attn/ops/triton/cross_entropy.py
+fi
+du -sh .
