@@ -1,6 +1,8 @@
 """verl adapter: route verl's `logprobs_from_logits` (FSDP, automodel, torchtitan engines, naive rollout,
 prefix grouper), its `entropy_from_logits` (and the chunked variant; batch-invariant entropy from
-`rl_logp.entropy`) and Megatron's `vocab_parallel_log_probs_from_logits` through rl-logp.
+`rl_logp.entropy`) and Megatron's `vocab_parallel_log_probs_from_logits` through rl-logp, and make the FSDP
+engine's temperature step the contract's `fp32(x) / T`: verl 0.9.1 divides bf16 logits by bf16(T)
+(T = 0.7 becomes 0.69921875), which no rollout engine does, so at T != 1 its logp cannot equal vLLM's.
 
     from rl_logp.integrations import verl as rl_logp_verl
     rl_logp_verl.apply(backend="fused")    # ... and rl_logp_verl.revert()
@@ -11,6 +13,7 @@ when `RL_LOGP_BACKEND` is set. The replacements keep verl's signatures, shapes a
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any
 
@@ -21,6 +24,7 @@ from rl_logp.dispatch import entropy, logprobs, resolve_backend
 
 from .patching import PatchSet
 
+VERL_FSDP_ENGINE = "verl.workers.engine.fsdp.transformer_impl"
 logger = logging.getLogger("rl_logp.verl")
 _patches = PatchSet()
 _active: LogpConfig | None = None
@@ -44,6 +48,15 @@ def make_entropy_from_logits(config: LogpConfig):
         return entropy(logits, config=config)
 
     return entropy_from_logits
+
+
+def scale_logits_by_temperature(logits: torch.Tensor, temperature: torch.Tensor, *, is_unit_temperature: bool):
+    """A drop-in for the FSDP engine's `_scale_logits_by_temperature`: fp32 logits divided by the fp32
+    temperature (IEEE), the `z` that `rl_logp.logprobs(x, y, temperature=T)` and vLLM's processed_logprobs
+    mode score. The result is fp32, one bf16 logits-sized buffer more than verl's bf16 quotient."""
+    if is_unit_temperature:
+        return logits
+    return logits.to(torch.float32) / temperature.clamp(min=1e-8).to(torch.float32)
 
 
 def make_vocab_parallel_log_probs_from_logits(config: LogpConfig, group_getter=None):
@@ -81,6 +94,9 @@ def apply(backend: str | None = None, config: LogpConfig | dict[str, Any] | None
     if megatron_tp is not None:
         mp_original = megatron_tp.vocab_parallel_log_probs_from_logits
         n += _patches.replace_everywhere(mp_original, make_vocab_parallel_log_probs_from_logits(cfg))
+    engine = _import_fsdp_engine()
+    if engine is not None and hasattr(engine, "_scale_logits_by_temperature"):
+        n += _patches.replace_everywhere(engine._scale_logits_by_temperature, scale_logits_by_temperature)
     _active = cfg
     where = "cuda" if torch.cuda.is_available() else "cpu"
     logger.warning(
@@ -88,6 +104,13 @@ def apply(backend: str | None = None, config: LogpConfig | dict[str, Any] | None
         cfg.backend, resolve_backend(cfg.backend, torch.device(where)), where, n,
     )
     return cfg
+
+
+def _import_fsdp_engine():
+    try:
+        return importlib.import_module(VERL_FSDP_ENGINE)
+    except ImportError:
+        return None  # this verl has no FSDP engine module (or its dependencies are missing)
 
 
 def revert() -> None:

@@ -74,14 +74,11 @@ def make_compute_token_logprobs(config: LogpConfig):
     return compute_token_logprobs
 
 
-def make_apply_temperature():
-    """Drop-in for V2 `apply_temperature(logits, expanded_idx_mapping, temperature)`, in place."""
-
-    def apply_temperature(logits: torch.Tensor, expanded_idx_mapping: torch.Tensor, temperature: torch.Tensor) -> None:
-        t = temperature[expanded_idx_mapping.to(torch.int64)].to(torch.float32)
-        logits.div_(torch.where((t == 0.0) | (t == 1.0), torch.ones_like(t), t).unsqueeze(1))
-
-    return apply_temperature
+def apply_temperature_ieee(logits: torch.Tensor, expanded_idx_mapping: torch.Tensor, temperature: torch.Tensor) -> None:
+    """Drop-in for V2 `apply_temperature(logits, expanded_idx_mapping, temperature)`, in place: the
+    contract's IEEE fp32 division; rows whose temperature is 0 (greedy) or 1 are left as they are."""
+    t = temperature[expanded_idx_mapping.to(torch.int64)].to(torch.float32)
+    logits.div_(torch.where((t == 0.0) | (t == 1.0), torch.ones_like(t), t).unsqueeze(1))
 
 
 def make_processed_logprobs_forward(original, config: LogpConfig):
@@ -121,7 +118,7 @@ def apply(backend: str | None = None, config: LogpConfig | dict | None = None, *
             patched.append(f"{V1_TOPK_TOPP}.TopKTopPSampler.{name}")
     for module_name, attr, replacement in (
         (V2_GPU_LOGPROB, "compute_token_logprobs", make_compute_token_logprobs(cfg)),
-        (V2_GPU_TEMPERATURE, "apply_temperature", make_apply_temperature()),
+        (V2_GPU_TEMPERATURE, "apply_temperature", apply_temperature_ieee),
         (V2_CPU_LOGPROB, "compute_token_logprobs", make_compute_token_logprobs(cfg)),
     ):
         if module_name == V2_CPU_LOGPROB and torch.cuda.is_available() and module_name not in sys.modules:

@@ -167,3 +167,30 @@ def test_entropy_from_logits_is_patched_too(patched):
     x = torch.randn(6, 301)
     assert torch.equal(tf.entropy_from_logits(x), rl_logp.entropy(x))
     assert torch.equal(tf.entropy_from_logits_with_chunking(x, chunk_size=2), rl_logp.entropy(x))
+
+
+def test_fsdp_engine_temperature_step_then_logprobs_give_the_contract_bits():
+    """verl 0.9.1's FSDP engine: `_scale_logits_by_temperature` then `logprobs_from_logits`, as its forward
+    calls them (fp32 per-token temperature, bf16 logits). Unpatched it divides by bf16(T); patched it
+    scores the contract's fp32(x) / T."""
+    engine = importlib.import_module(adapter.VERL_FSDP_ENGINE)
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(96, 1031, generator=gen) * 3).to(torch.bfloat16)
+    y = torch.randint(0, 1031, (96,), generator=gen)
+    t = torch.full((96, 1), 0.7)
+    want = rl_logp.logprobs(x, y, backend="chunked", temperature=0.7)
+
+    def verl_forward() -> torch.Tensor:
+        z = engine._scale_logits_by_temperature(x, t, is_unit_temperature=False)
+        return engine.logprobs_from_logits(logits=z, labels=y, inplace_backward=True)
+
+    stock = verl_forward()
+    assert int((stock != want).sum()) > 48  # bf16(0.7) = 0.69921875: most rows move
+    adapter.apply(backend="chunked")
+    try:
+        got = verl_forward()
+        unit = engine._scale_logits_by_temperature(x, t, is_unit_temperature=True)
+    finally:
+        adapter.revert()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert unit is x

@@ -215,6 +215,26 @@ def test_apply_patches_every_runner_this_vllm_has_and_revert_restores_it():
     assert plugins.get("rl_logp") == "rl_logp.integrations.vllm_hook:load"
 
 
+@pytest.mark.parametrize("backend", ["chunked", ""])
+def test_vllm_plugin_loader_applies_the_patch_from_the_environment(backend):
+    """vLLM's own `load_general_plugins` (what every vLLM process runs) in a fresh interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "from vllm.plugins import load_general_plugins\n"
+        "from rl_logp.integrations import vllm as adapter\n"
+        "load_general_plugins()\n"
+        "cfg = adapter.active_config()\n"
+        "print('ACTIVE', cfg.backend if cfg else None)\n"
+    )
+    env = dict(os.environ, RL_LOGP_BACKEND=backend, VLLM_PLUGINS="rl_logp", TORCHDYNAMO_DISABLE="1")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"ACTIVE {backend or None}" in done.stdout
+
+
 def test_rollout_provider_runs_vllm_code_and_matches_the_trainer():
     provider = adapter.VllmRolloutProvider(backend="chunked")
     try:
@@ -229,6 +249,29 @@ def test_rollout_provider_runs_vllm_code_and_matches_the_trainer():
         assert runner in provider.description and vllm.__version__ in provider.description
     finally:
         adapter.revert()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_verl_trainer_logp_equals_vllm_rollout_logp(temperature):
+    """Both adapters on: verl 0.9.1's FSDP-engine temperature step and logprobs_from_logits (the trainer)
+    and this vLLM's sampler code in processed_logprobs mode (the rollout) give the same bits."""
+    engine = pytest.importorskip("verl.workers.engine.fsdp.transformer_impl", reason="verl is not installed")
+    from rl_logp.integrations import verl as verl_adapter
+
+    gen = torch.Generator().manual_seed(11)
+    logits = (torch.randn(64, 1031, generator=gen) * 3).to(torch.bfloat16)
+    tokens = torch.randint(0, 1031, (64,), generator=gen)
+    rollout = adapter.VllmRolloutProvider(backend="chunked")
+    verl_adapter.apply(backend="chunked")
+    try:
+        z = engine._scale_logits_by_temperature(logits, torch.full((64, 1), temperature),
+                                                is_unit_temperature=temperature == 1.0)
+        trainer = engine.logprobs_from_logits(logits=z, labels=tokens, inplace_backward=True)
+        rolled = rollout(logits, tokens, temperature)
+    finally:
+        verl_adapter.revert()
+        adapter.revert()
+    assert torch.equal(bits(trainer), bits(rolled))
 
 
 @needs_cuda

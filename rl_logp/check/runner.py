@@ -82,10 +82,12 @@ def run(args, rank: int, world: int, device: torch.device) -> list[Comparison] |
             if tp_out is not None:
                 results.append(compare(case.name, f"train TP={world} [{backend}]", tp_out, reference, invariant))
         if rank == 0 and "temperature" in options and case.logits.dtype != torch.float32:
-            # What unpatched verl does: divide the low-precision logits in place, then score them.
-            divided = (case.logits.to(device) / options["temperature"]).to(case.logits.dtype)
+            # What unpatched verl 0.9.1 does (FSDP engine's _scale_logits_by_temperature): divide the
+            # low-precision logits by the temperature cast to their dtype, then score them.
+            x = case.logits.to(device)
+            divided = x / torch.tensor(options["temperature"], device=device).clamp(min=1e-8).to(x.dtype)
             verl_way = logprobs(divided, case.labels.to(device), backend=reference_backend).cpu()
-            results.append(compare(case.name, "verl bf16 logits / T", verl_way, reference, False))
+            results.append(compare(case.name, "unpatched verl: bf16 x / bf16(T)", verl_way, reference, False))
         if rank == 0:
             out = rollout(case.logits.to(device), case.labels.to(device), options.get("temperature")).cpu()
             results.append(compare(case.name, "rollout", out, reference, True))
