@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import torch
 
+from rl_logp.config import MIN_CHUNK_BYTES
+
 
 @dataclasses.dataclass
 class Case:
@@ -61,7 +63,7 @@ def build_cases(logits: torch.Tensor, labels: torch.Tensor, seed: int) -> list[C
     out_of_range = labels.clone()
     out_of_range[::5] = vocab + 3
     cases.append(Case("labels out of range", logits, out_of_range, every))
-    cases.append(Case("small chunks", logits, labels, every, {"chunk_bytes": 12 * max(64, vocab // 3)}))
+    cases.append(Case("small chunks", logits, labels, every, {"chunk_bytes": max(MIN_CHUNK_BYTES, 12 * (vocab // 3))}))
     cases.append(Case("temperature 0.7", logits, labels, every, {"temperature": 0.7}))
     cases.append(Case("fp32 logits", logits.float(), labels, every))
     return cases

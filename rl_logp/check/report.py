@@ -38,14 +38,14 @@ def compare(case: str, provider: str, out: torch.Tensor, reference: torch.Tensor
 
 def render(results: list[Comparison], header: list[str]) -> str:
     lines = [*header, ""]
-    lines.append(f"{'case':28s} {'provider':26s} {'rows':>6s} {'differ':>7s} {'max |diff|':>11s}  kind")
+    lines.append(f"{'case':28s} {'provider':34s} {'rows':>6s} {'differ':>7s} {'max |diff|':>11s}  kind")
     for r in results:
         kind = "invariant" if r.invariant else "diagnostic"
         if r.note:
-            lines.append(f"{r.case:28s} {r.provider:26s} {'':>6s} {'':>7s} {'':>11s}  {r.note[:70]}")
+            lines.append(f"{r.case:28s} {r.provider:34s} {'':>6s} {'':>7s} {'':>11s}  {r.note[:70]}")
             continue
         flag = "  FAIL" if r.failed else ""
-        lines.append(f"{r.case:28s} {r.provider:26s} {r.rows:6d} {r.differing:7d} {r.max_abs_diff:11.3e}  {kind}{flag}")
+        lines.append(f"{r.case:28s} {r.provider:34s} {r.rows:6d} {r.differing:7d} {r.max_abs_diff:11.3e}  {kind}{flag}")
     failures = [r for r in results if r.failed]
     pairs = sum(1 for r in results if r.invariant and not r.note)
     if failures:
