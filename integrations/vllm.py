@@ -37,6 +37,7 @@ logger = logging.getLogger("rl_logp.vllm")
 _patches = PatchSet()
 _class_patches: list[tuple[type, str, object]] = []
 _active: LogpConfig | None = None
+_patched_names: list[str] = []
 
 V1_SAMPLER = "vllm.v1.sample.sampler"
 V1_TOPK_TOPP = "vllm.v1.sample.ops.topk_topp_sampler"
@@ -130,6 +131,7 @@ def apply(backend: str | None = None, config: LogpConfig | dict | None = None, *
     if not patched:
         raise ImportError("rl_logp: no vLLM logprob function found to patch (is vLLM installed?)")
     _active = cfg
+    _patched_names[:] = patched
     logger.warning("rl_logp: vLLM logprobs -> rl_logp backend=%s (%s)", cfg.backend, ", ".join(patched))
     return patched
 
@@ -141,11 +143,18 @@ def revert() -> None:
         setattr(cls, name, original)
     _class_patches.clear()
     _patches.revert()
+    _patched_names.clear()
     _active = None
 
 
 def active_config() -> LogpConfig | None:
+    """The config of the current patch, or None when vLLM is not patched."""
     return _active
+
+
+def active_patches() -> list[str]:
+    """The names of the vLLM functions the current patch replaced (empty when not patched)."""
+    return list(_patched_names)
 
 
 class VllmRolloutProvider:

