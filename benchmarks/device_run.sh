@@ -27,11 +27,14 @@ from vllm.triton_utils import HAS_TRITON
 print('vllm', vllm.__version__, 'platform', type(current_platform).__name__, 'HAS_TRITON', HAS_TRITON)" 2>&1 | tail -4
 done
 quiet() { grep -vE '^(INFO|WARNING|DEBUG)|Failed to import from vllm'; }
-timeout "${TEST_TIMEOUT:-200}" python3 -P -m pytest -q tests/test_fused_kernel.py tests/test_invariance.py \
-  tests/test_reference_accuracy.py tests/test_vllm_adapter.py -k "${TEST_FILTER:-cuda or gpu or int32 or allocates or second_gpu or quantisations}" \
-  -p no:cacheprovider -s -rs 2>&1 | quiet | tail -30 | tee "$OUT/gpu_tests.txt"
+TEST_FILES=${TEST_FILES:-tests/test_fused_kernel.py tests/test_invariance.py tests/test_reference_accuracy.py tests/test_vllm_adapter.py}
+# shellcheck disable=SC2086
+timeout "${TEST_TIMEOUT:-200}" python3 -P -m pytest -q $TEST_FILES -k "${TEST_FILTER:-cuda or gpu or int32 or allocates or second_gpu or quantisations}" \
+  -p no:cacheprovider -s -rA 2>&1 | quiet > "$OUT/gpu_tests.txt"
+grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|rows differ|logits differ|passed|failed" "$OUT/gpu_tests.txt" | tail -40
 PYTHONPATH="${BASE}:/tmp/vllm-${VLLM_LATEST}" timeout "${LATEST_TIMEOUT:-150}" python3 -P -m pytest -q tests/test_vllm_adapter.py \
-  -p no:cacheprovider -s -rs 2>&1 | quiet | tail -20 | tee "$OUT/gpu_tests_vllm_${VLLM_LATEST}.txt"
+  -p no:cacheprovider -s -rA 2>&1 | quiet > "$OUT/gpu_tests_vllm_${VLLM_LATEST}.txt"
+grep -E "^(PASSED|FAILED|ERROR)|rows differ|logits differ|passed|failed" "$OUT/gpu_tests_vllm_${VLLM_LATEST}.txt" | tail -40
 [ -n "${SKIP_BENCH:-}" ] || timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/bench_logp.py --out "$OUT/h200_bench.json" "$@" 2>&1 | tee "$OUT/bench.txt" | tail -40
 if [ -n "${RUN_CHECK:-}" ]; then
   # TP=1 and a spawned TP=2 gloo world sharing this GPU, fused underneath, at the Qwen vocabulary;

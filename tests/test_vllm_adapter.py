@@ -230,7 +230,7 @@ def test_vllm_plugin_loader_applies_the_patch_from_the_environment(backend):
         "print('ACTIVE', cfg.backend if cfg else None)\n"
     )
     env = dict(os.environ, RL_LOGP_BACKEND=backend, VLLM_PLUGINS="rl_logp", TORCHDYNAMO_DISABLE="1")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-P", "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"ACTIVE {backend or None}" in done.stdout
 
@@ -332,7 +332,8 @@ def test_cuda_v2_processed_logprobs_equal_fused_with_temperature():
 @needs_cuda
 @needs_v1
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
-def test_cuda_v1_sampler_patched_equal_fused(mode):
+def test_cuda_v1_sampler_patched_equal_fused(mode, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not carried to the device
     adapter.apply(backend="fused")
     try:
         from vllm.v1.sample.sampler import Sampler
