@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
 
 import torch
 
@@ -122,8 +121,6 @@ def apply(backend: str | None = None, config: LogpConfig | dict | None = None, *
         (V2_GPU_TEMPERATURE, "apply_temperature", apply_temperature_ieee),
         (V2_CPU_LOGPROB, "compute_token_logprobs", make_compute_token_logprobs(cfg)),
     ):
-        if module_name == V2_CPU_LOGPROB and torch.cuda.is_available() and module_name not in sys.modules:
-            continue  # a GPU process never runs the CPU worker: do not import it there
         module = _try_import(module_name)
         if module is not None and hasattr(module, attr):
             _patches.replace_everywhere(getattr(module, attr), replacement)
