@@ -28,7 +28,7 @@ import logging
 import torch
 
 from rl_logp.config import LogpConfig, resolve_config
-from rl_logp.dispatch import logprobs, logsumexp
+from rl_logp.dispatch import logsumexp
 
 from .patching import PatchSet
 
@@ -166,7 +166,7 @@ class VllmRolloutProvider:
     """
 
     def __init__(self, backend: str = "auto") -> None:
-        self.patched = apply(backend=backend)
+        apply(backend=backend)
         self._v1 = _try_import(V1_SAMPLER)
         version = importlib.import_module("vllm").__version__
         runner = "V1 Sampler" if self._v1 is not None else "V2 worker compute_topk_scores"
@@ -222,7 +222,3 @@ def _cpu_worker_temperature(x: torch.Tensor, temperature: float) -> None:
         states.add_request(row, SamplingParams(temperature=temperature, logprobs=0))
     states.apply_temperature(x, torch.arange(batch), np.arange(batch))
 
-
-def reference_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
-    """What the trainer must compute to match vLLM's processed-logprobs mode without top-k/top-p."""
-    return logprobs(logits, tokens, temperature=temperature)
