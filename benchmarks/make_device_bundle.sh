@@ -20,21 +20,8 @@ fetch pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspe
 for version in 0.24.0 "${VLLM_LATEST}"; do
   [ -f "vllm-src-${version}.tar.xz" ] && continue
   python3 -m pip download -q --no-deps vllm=="${version}" -d /tmp/vllm-wheel-"${version}"
-  rm -rf /tmp/vllm-src && mkdir -p /tmp/vllm-src
-  python3 - "${version}" <<'PY'
-import sys, zipfile
-from pathlib import Path
-version = sys.argv[1]
-wheel = next(Path(f"/tmp/vllm-wheel-{version}").glob("vllm-*.whl"))
-with zipfile.ZipFile(wheel) as z:
-    # The dist-info too: vLLM reads its own version from the package metadata to pick its platform.
-    names = [n for n in z.namelist() if (n.startswith("vllm/") and n.endswith(".py")
-             and not n.startswith("vllm/model_executor/models/")) or n.startswith(f"vllm-{version}.dist-info/")]
-    z.extractall("/tmp/vllm-src", names)
-# vllm.platforms.cuda imports this compiled library at its top; the sampler code never calls into it.
-Path("/tmp/vllm-src/vllm/_C_stable_libtorch.py").write_text(
-    '"""Stand-in for the compiled vllm._C_stable_libtorch (not carried to the device)."""\n')
-PY
+  rm -rf /tmp/vllm-src
+  python3 ../scripts/unpack_vllm_sources.py /tmp/vllm-wheel-"${version}"/vllm-*.whl /tmp/vllm-src --for-cuda
   tar -C /tmp/vllm-src -cJf "vllm-src-${version}.tar.xz" .
   rm -rf /tmp/vllm-wheel-"${version}" /tmp/vllm-src
 done

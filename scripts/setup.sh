@@ -12,15 +12,11 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q cachetools==8.0.2 cbor2==6.3.0 msgspec==0.23.0 openai==3.57.0 \
   openai-harmony==0.0.8 py-cpuinfo==9.0.0 pybase64==1.5.1 pyzmq==27.3.0 uvloop==0.23.0
 # The latest vLLM release (no V1 sampler; V2 GPU and CPU workers): its official wheel's Python sources
-# (no compiled libraries) and its dist-info (vLLM reads its version from it) under .vllm-<version>/, put
-# ahead of 0.24.0 by PYTHONPATH in scripts/test.sh.
+# and dist-info under .vllm-<version>/, put ahead of 0.24.0 by PYTHONPATH in scripts/test.sh.
 source scripts/vllm_latest.sh
 if [ ! -f "${VLLM_LATEST_DIR}/vllm/_version.py" ]; then
   rm -rf "${VLLM_LATEST_DIR}" .cache/vllm-wheel
   .venv/bin/python -m pip download -q --no-deps "vllm==${VLLM_LATEST}" -d .cache/vllm-wheel
-  .venv/bin/python -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
-z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith('vllm/') and n.endswith('.py') \
-or n.startswith('vllm-${VLLM_LATEST}.dist-info/')])" \
-    .cache/vllm-wheel/vllm-"${VLLM_LATEST}"-*.whl "${VLLM_LATEST_DIR}"
+  .venv/bin/python scripts/unpack_vllm_sources.py .cache/vllm-wheel/vllm-"${VLLM_LATEST}"-*.whl "${VLLM_LATEST_DIR}"
   rm -rf .cache/vllm-wheel
 fi
