@@ -116,10 +116,11 @@ def apply(backend: str | None = None, config: LogpConfig | dict | None = None, *
             _class_patches.append((topk.TopKTopPSampler, name, original))
             setattr(topk.TopKTopPSampler, name, make_processed_logprobs_forward(original, cfg))
             patched.append(f"{V1_TOPK_TOPP}.TopKTopPSampler.{name}")
+    token_logprobs = make_compute_token_logprobs(cfg)
     for module_name, attr, replacement in (
-        (V2_GPU_LOGPROB, "compute_token_logprobs", make_compute_token_logprobs(cfg)),
+        (V2_GPU_LOGPROB, "compute_token_logprobs", token_logprobs),
         (V2_GPU_TEMPERATURE, "apply_temperature", apply_temperature_ieee),
-        (V2_CPU_LOGPROB, "compute_token_logprobs", make_compute_token_logprobs(cfg)),
+        (V2_CPU_LOGPROB, "compute_token_logprobs", token_logprobs),
     ):
         module = _try_import(module_name)
         if module is not None and hasattr(module, attr):

@@ -11,6 +11,7 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
+from helpers import bits, mismatches
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (see scripts/setup.sh)")
 
@@ -30,10 +31,6 @@ layout = f"vLLM {vllm.__version__} has no"
 needs_v1 = pytest.mark.skipif(not _has(adapter.V1_SAMPLER), reason=f"{layout} V1 sampler (removed after 0.2x)")
 needs_cpu_worker = pytest.mark.skipif(not _has(adapter.V2_CPU_LOGPROB), reason=f"{layout} V2 CPU worker (0.3x on)")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
-
-
-def bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.int32)
 
 
 @pytest.fixture(autouse=True)
@@ -83,7 +80,7 @@ def test_v1_real_sampler_forward_returns_rl_logp_bits(patched, mode, dtype, temp
         got = out.logprobs_tensors.logprobs[:, 0]
         want = rl_logp.logprobs(logits, tokens, backend="chunked",
                                 temperature=temperature if mode == "processed_logprobs" else None)
-        differing += int((bits(got) != bits(want)).sum())
+        differing += mismatches(got, want)
         checked += batch
         assert out.logprobs_tensors.logprobs.shape == (batch, 4)
         assert torch.equal(out.logprobs_tensors.logprob_token_ids[:, 0].long(), tokens)
@@ -126,7 +123,7 @@ def test_v2_cpu_worker_topk_scores_return_rl_logp_bits(patched, mode, dtype, tem
         t = temperature if mode == "processed_logprobs" else None
         for k in range(4):
             want = rl_logp.logprobs(logits, out.logprob_token_ids[:, k], backend="chunked", temperature=t)
-            differing += int((bits(out.logprobs[:, k]) != bits(want)).sum())
+            differing += mismatches(out.logprobs[:, k], want)
         checked += batch
     assert checked == 64 * 65 // 2 and differing == 0
 
@@ -284,7 +281,7 @@ def test_cuda_v2_topk_logprobs_patched_equal_fused(dtype):
     sampled = torch.randint(0, 151936, (257,), device="cuda")
     stock = topk(logits, 5, sampled)
     want = rl_logp.logprobs(logits, sampled, backend="fused")
-    stock_differing = int((bits(stock.logprobs[:, 0]) != bits(want)).sum())
+    stock_differing = mismatches(stock.logprobs[:, 0], want)
     print(f"vllm {vllm.__version__} stock V2 Triton logprobs vs rl-logp fused ({dtype}): "
           f"{stock_differing}/257 rows differ")
     adapter.apply(backend="fused")
@@ -316,7 +313,7 @@ def test_cuda_v2_processed_logprobs_equal_fused_with_temperature():
     gumbel.apply_temperature(stock, rows, temps)
     ieee = logits.float() / temps.unsqueeze(1)
     print(f"vllm {vllm.__version__} stock Triton temperature vs IEEE division: "
-          f"{int((bits(stock) != bits(ieee)).sum())}/{batch * vocab} logits differ")
+          f"{mismatches(stock, ieee)}/{batch * vocab} logits differ")
     adapter.apply(backend="fused")
     try:
         x = logits.float()
@@ -346,7 +343,7 @@ def test_cuda_v1_sampler_patched_equal_fused(mode, monkeypatch):
             tokens = out.sampled_token_ids[:, 0].long()
             want = rl_logp.logprobs(logits, tokens, backend="fused",
                                     temperature=0.7 if mode == "processed_logprobs" else None)
-            differing += int((bits(out.logprobs_tensors.logprobs[:, 0]) != bits(want)).sum())
+            differing += mismatches(out.logprobs_tensors.logprobs[:, 0], want)
         assert differing == 0
     finally:
         adapter.revert()

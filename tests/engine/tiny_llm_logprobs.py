@@ -23,6 +23,12 @@ import rl_logp
 TEMPERATURES = [0.7, 1.0, 1.3, 0.7, 1.0, 0.9]
 
 
+def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    """fp32 elements whose bits differ (tests/helpers.py has the same, but imports pytest, which
+    .venv-vllm-cpu does not hold)."""
+    return int((a.contiguous().view(torch.int32) != b.contiguous().view(torch.int32)).sum())
+
+
 def save_tiny_llama(path: str, vocab: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -83,13 +89,13 @@ def main() -> None:
         logits, temps = step["logits"], step["temperature"]
         t = temps if processed else None
         want = rl_logp.logprobs(logits, step["tokens"], backend="chunked", temperature=t)
-        differing += int((step["logprobs"][:, 0].view(torch.int32) != want.view(torch.int32)).sum())
+        differing += mismatches(step["logprobs"][:, 0], want)
         for k in range(1, step["token_ids"].shape[1]):
             want_k = rl_logp.logprobs(logits, step["token_ids"][:, k].long(), backend="chunked", temperature=t)
-            topk_differing += int((step["logprobs"][:, k].view(torch.int32) != want_k.view(torch.int32)).sum())
+            topk_differing += mismatches(step["logprobs"][:, k], want_k)
         scaled = logits.float() / temps.unsqueeze(1) if processed else logits.float()
         stock = scaled.log_softmax(-1).gather(1, step["tokens"].long().unsqueeze(1))[:, 0]
-        stock_differing += int((stock.view(torch.int32) != want.view(torch.int32)).sum())
+        stock_differing += mismatches(stock, want)
         returned_pairs.update(zip(step["tokens"].tolist(), want.tolist(), strict=True))
         rows += logits.shape[0]
     api_pairs = [(tok, lp[tok].logprob) for o in outputs for tok, lp in zip(o.outputs[0].token_ids,
