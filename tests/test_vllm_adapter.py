@@ -129,6 +129,22 @@ def test_v2_cpu_worker_topk_scores_return_rl_logp_bits(patched, mode, dtype, tem
 
 
 @needs_cpu_worker
+def test_v2_cpu_worker_stock_logprobs_differ_from_rl_logp():
+    """The control for the test above: the same sweep through vLLM's own torch.logsumexp, unpatched."""
+    from vllm.v1.worker.cpu.logprob import compute_topk_scores
+
+    differing = 0
+    for batch in range(1, 65):
+        gen = torch.Generator().manual_seed(batch)
+        logits = (torch.randn(batch, 1031, generator=gen) * 3).to(torch.bfloat16)
+        sampled = torch.randint(0, 1031, (batch,), generator=gen)
+        out = compute_topk_scores(logits, 3, sampled)
+        differing += mismatches(out.logprobs[:, 0], rl_logp.logprobs(logits, sampled, backend="chunked"))
+    print(f"vllm {vllm.__version__} CPU worker, unpatched: {differing}/2080 sampled-token rows differ")
+    assert differing > 0
+
+
+@needs_cpu_worker
 def test_v2_cpu_worker_custom_token_ids_keep_vllm_masking(patched):
     """Per-request `logprob_token_ids`: the patched lse fills the valid columns, vLLM's -inf the rest."""
     from vllm.v1.worker.cpu.logprob import compute_topk_scores
