@@ -1,18 +1,25 @@
 """The invariant-logp contract of DESIGN.md as small torch functions on one block of rows.
 
-Every invariant path (the `chunked` torch path, the `fused` GPU kernel, the vocab-parallel provider)
-produces its per-row statistics with the same arithmetic and then finishes here, so the order-free parts
-(exact max, int64 fixed-point sum) are the only parts that differ in how they are reduced:
+Every invariant path (the `chunked` torch path, the `fused` GPU kernels, the vocab-parallel provider)
+produces its per-row statistics with the same arithmetic, so the order-free parts (exact max, int64
+fixed-point sums) are the only parts that differ in how they are reduced:
 
-    z      = fp32(x) / T                        (IEEE division; skipped when there is no temperature)
-    M      = max_j z[j]                         (exact, order-free)
-    S      = sum_j trunc(exp(z[j] - M) * 2^F)   (int64: order-free)
+    z      = fp32(x) / T                              (IEEE division; skipped without a temperature)
+    M      = max_j z[j] + 0.0                         (exact, order-free; -0.0 becomes +0.0)
+    S      = sum_j trunc(exp(z[j] - M) * 2^F)         (int64: order-free)
+    E      = sum_j trunc(exp(z[j] - M) (z[j] - M) 2^F)  (int64, <= 0; only for the entropy)
+    L      = fp32(log(fp64(S) * 2^-F))                (the log of the normaliser, relative to M)
     lse    = fp32(fp64(M) + log(fp64(S) * 2^-F))
-    logp   = z[y] - lse, or 0 where y is outside [0, V) or the row is entirely -inf
-    dz[j]  = (onehot(y)[j] - exp(z[j] - lse)) * (g / T), written in the logits' dtype; 0 on rows with logp 0
+    logp   = (z[y] - M) - L, or 0 where y is outside [0, V) or the row is entirely -inf
+    H      = fp32(log(fp64(S) 2^-F) - fp64(E) / fp64(S)), 0 for an entirely -inf row
+    lp[j]  = (z[j] - M) - L,  p[j] = exp(lp[j])
+    dz[j]  = ((0 - p[j]) + onehot(y)[j]) * (g_lp / T)     (+ (p[j] (lp[j] + H)) * -(g_h / T) for entropy)
 
-A vocabulary shard calls `shard_row_max`, `shard_fixed_sum` and `shard_target_logit` on its slice;
-max/sum/sum all-reduced over the shards give the same bits as the unsplit row.
+Subtracting M before L keeps logp right when |M| is huge (logits of 1e30: lse rounds to M, but
+(z[y] - M) - L is still -log V for a uniform row). A row holding NaN or +inf, or a per-row temperature that
+is not finite and > 0, has M = NaN or +inf and gets NaN for L, lse, H and, where its label is valid, logp.
+A vocabulary shard computes its max, then its sums given the all-reduced max; max/sum/sum all-reduced
+over the shards give the same bits as the unsplit row.
 """
 
 from __future__ import annotations
@@ -22,39 +29,70 @@ import torch
 NEG_INF = float("-inf")
 
 
-def scaled_logits(x: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
-    """A fresh fp32 copy of a [n, c] block of logits, divided by the per-row temperature [n]."""
+def scaled_logits(x: torch.Tensor, divisor: torch.Tensor | None) -> torch.Tensor:
+    """A fresh fp32 copy of a [n, c] block of logits, divided by the per-row (or 0-d) temperature."""
     z = x.to(torch.float32, copy=True)
-    if temperature is not None:
-        z.div_(temperature.unsqueeze(1))
+    if divisor is not None:
+        z.div_(divisor.unsqueeze(1) if divisor.dim() == 1 else divisor)
     return z
 
 
 def block_row_max(z: torch.Tensor) -> torch.Tensor:
-    """Row max of a [n, c] fp32 block (c >= 1)."""
-    return z.amax(dim=1)
+    """Row max of a [n, c] fp32 block (c >= 1), with -0.0 made +0.0."""
+    return z.amax(dim=1) + 0.0
 
 
-def block_fixed_sum_(z: torch.Tensor, row_max: torch.Tensor, bits: int) -> torch.Tensor:
-    """sum_j trunc(exp(z - M) * 2^F) as int64 per row; consumes z (modified in place).
+def mark_bad_rows(row_max: torch.Tensor, bad_rows: torch.Tensor | None) -> torch.Tensor:
+    """NaN as the max of rows whose temperature is bad (see rl_logp.temperature)."""
+    if bad_rows is None:
+        return row_max
+    return torch.where(bad_rows, torch.full_like(row_max, float("nan")), row_max)
 
-    Rows whose max is -inf (fully masked) shift by 0 instead, so every term is exp(-inf) = 0.
+
+def nan_as_inf(row_max: torch.Tensor) -> torch.Tensor:
+    """A shard's max for an all-reduce MAX: NaN becomes +inf (both mark a NaN row; MAX carries +inf)."""
+    return torch.where(torch.isnan(row_max), torch.full_like(row_max, float("inf")), row_max)
+
+
+def block_fixed_sums_(
+    z: torch.Tensor, row_max: torch.Tensor, bits: int, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(S, E) of a block as int64 per row given the (global) max M; consumes z. E is None without entropy.
+
+    Rows whose max is -inf (fully masked) shift by 0 instead, so every term is exp(-inf) = 0; terms with
+    exp(d) == 0 (masked columns) add exactly 0 to E.
     """
     shift = torch.where(row_max == NEG_INF, torch.zeros_like(row_max), row_max)
-    z.sub_(shift.unsqueeze(1)).exp_().mul_(2.0**bits)
-    return z.to(torch.int64).sum(dim=1)
+    d = z.sub_(shift.unsqueeze(1))
+    e = torch.exp(d)
+    entropy_sum = None
+    if entropy:
+        term = (e * d).mul_(2.0**bits)
+        term.masked_fill_(torch.isnan(term), 0.0)
+        entropy_sum = term.to(torch.int64).sum(dim=1)
+    fixed_sum = e.mul_(2.0**bits).to(torch.int64).sum(dim=1)
+    return fixed_sum, entropy_sum
 
 
-def finalize_lse(row_max: torch.Tensor, fixed_sum: torch.Tensor, bits: int) -> torch.Tensor:
-    """lse = M + log(S * 2^-F), in fp64 then rounded to fp32; -inf for fully masked rows, NaN for +inf/NaN."""
-    lse = row_max.to(torch.float64) + torch.log(fixed_sum.to(torch.float64) * 2.0**-bits)
-    lse = torch.where(torch.isposinf(row_max), torch.full_like(lse, float("nan")), lse)
-    return lse.to(torch.float32)
+def finalize(
+    row_max: torch.Tensor, fixed_sum: torch.Tensor, entropy_sum: torch.Tensor | None, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(L, lse, H) per row from (M, S, E); NaN for rows whose M is NaN or +inf."""
+    s = fixed_sum.to(torch.float64)
+    log_sum = torch.log(s * 2.0**-bits)
+    bad = torch.isnan(row_max) | torch.isposinf(row_max)
+    nan = torch.full_like(row_max, float("nan"))
+    log_sum32 = torch.where(bad, nan, log_sum.to(torch.float32))
+    lse = torch.where(bad, nan, (row_max.to(torch.float64) + log_sum).to(torch.float32))
+    entropy = None
+    if entropy_sum is not None:
+        h = log_sum - entropy_sum.to(torch.float64) / s
+        h32 = torch.where(fixed_sum > 0, h, torch.zeros_like(h)).to(torch.float32)
+        entropy = torch.where(bad, nan, h32)
+    return log_sum32, lse, entropy
 
 
-def shard_target_logit(
-    x: torch.Tensor, local_labels: torch.Tensor, temperature: torch.Tensor | None
-) -> torch.Tensor:
+def shard_target_logit(x: torch.Tensor, local_labels: torch.Tensor, divisor: torch.Tensor | None) -> torch.Tensor:
     """z[y] for rows whose label falls inside this [n, c] block, +0.0 elsewhere (fp32 [n]).
 
     `+ 0.0` maps -0.0 to +0.0, so summing the owner's value with other shards' zeros is exact.
@@ -65,92 +103,57 @@ def shard_target_logit(
         return torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
     index = torch.where(owned, local_labels, torch.zeros_like(local_labels)).unsqueeze(1)
     value = x.gather(1, index).squeeze(1).to(torch.float32)
-    if temperature is not None:
-        value = value / temperature
+    if divisor is not None:
+        value = value / divisor
     return torch.where(owned, value, torch.zeros_like(value)) + 0.0
 
 
-def has_logp(labels: torch.Tensor, vocab_size: int, lse: torch.Tensor) -> torch.Tensor:
-    """Rows that get a log-probability: label in [0, V) and not a fully -inf row."""
-    return (labels >= 0) & (labels < vocab_size) & (lse != NEG_INF)
-
-
 def assemble_logp(
-    target_logit: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, vocab_size: int
-) -> torch.Tensor:
-    """logp = z[y] - lse on rows with a log-probability, 0 elsewhere (fp32)."""
-    logp = target_logit - lse
-    return torch.where(has_logp(labels, vocab_size, lse), logp, torch.zeros_like(logp))
-
-
-def grad_row_terms(
-    grad_out: torch.Tensor,
-    lse: torch.Tensor,
-    labels: torch.Tensor,
+    target_logit: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor, labels: torch.Tensor,
     vocab_size: int,
-    temperature: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row inputs of every backward: (lse, g / T), with lse = +inf marking rows of zero gradient."""
-    valid = has_logp(labels, vocab_size, lse)
-    scale = grad_out.to(torch.float32)
-    if temperature is not None:
-        scale = scale / temperature
-    lse_for_grad = torch.where(valid, lse, torch.full_like(lse, float("inf")))
-    return lse_for_grad, torch.where(valid, scale, torch.zeros_like(scale))
+) -> torch.Tensor:
+    """logp = (z[y] - M) - L on rows with a log-probability, 0 elsewhere (fp32)."""
+    logp = (target_logit - row_max) - log_sum
+    valid = (labels >= 0) & (labels < vocab_size) & (row_max != NEG_INF)
+    return torch.where(valid, logp, torch.zeros_like(logp))
+
+
+def grad_scale(grad: torch.Tensor, divisor: torch.Tensor | None) -> torch.Tensor:
+    """g / T per row in fp32 (IEEE division)."""
+    g = grad.to(torch.float32)
+    return g if divisor is None else g / divisor
 
 
 def block_grad(
     x: torch.Tensor,
-    temperature: torch.Tensor | None,
-    lse_for_grad: torch.Tensor,
-    local_labels: torch.Tensor,
-    grad_scale: torch.Tensor,
+    divisor: torch.Tensor | None,
+    row_max: torch.Tensor,
+    log_sum: torch.Tensor,
+    logp_part: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    entropy_part: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> torch.Tensor:
-    """(onehot(y) - exp(z - lse)) * (g / T) for a [n, c] block, fp32, +0.0 on rows marked lse = +inf.
+    """dz of a [n, c] block in fp32, in the operations of the module docstring.
 
-    The onehot difference is formed as (0 - p) everywhere and then (0 - p) + 1 at the label, which is
-    exactly the IEEE value of onehot - p (a plain `-p` would give -0.0 where p == 0).
+    logp_part: (local label [n], label valid [n] bool, g_lp / T [n]); entropy_part: (H [n], g_h / T [n]).
+    The onehot difference is formed as (0 - p) and then + 1 at the label, exactly the IEEE value of
+    onehot - p (a plain `-p` would give -0.0 where p == 0).
     """
-    d = scaled_logits(x, temperature)
-    d.sub_(lse_for_grad.unsqueeze(1)).exp_().neg_().add_(0.0)
-    owned = (local_labels >= 0) & (local_labels < x.shape[1])
-    rows = owned.nonzero().squeeze(1)
-    cols = local_labels[rows]
-    d[rows, cols] = d[rows, cols] + 1.0
-    d.mul_(grad_scale.unsqueeze(1))
-    return d.masked_fill_(torch.isposinf(lse_for_grad).unsqueeze(1), 0.0)
-
-
-def block_entropy_sum_(z: torch.Tensor, row_max: torch.Tensor, bits: int) -> torch.Tensor:
-    """sum_j trunc(exp(d) * d * 2^F) with d = z - M, as int64 per row (signed, order-free); consumes z.
-
-    Terms with exp(d) == 0 (masked -inf columns) contribute exactly 0.
-    """
-    shift = torch.where(row_max == NEG_INF, torch.zeros_like(row_max), row_max)
-    d = z.sub_(shift.unsqueeze(1))
-    e = torch.exp(d)
-    term = e.mul_(d).mul_(2.0**bits)
-    term.masked_fill_(torch.isnan(term), 0.0)
-    return term.to(torch.int64).sum(dim=1)
-
-
-def finalize_entropy(fixed_sum: torch.Tensor, entropy_sum: torch.Tensor, bits: int) -> torch.Tensor:
-    """H = log(S 2^-F) - E / S in fp64, rounded to fp32; 0 for fully masked rows (S == 0)."""
-    s = fixed_sum.to(torch.float64)
-    h = torch.log(s * 2.0**-bits) - entropy_sum.to(torch.float64) / s
-    return torch.where(fixed_sum > 0, h, torch.zeros_like(h)).to(torch.float32)
-
-
-def block_entropy_grad(
-    x: torch.Tensor,
-    temperature: torch.Tensor | None,
-    lse: torch.Tensor,
-    entropy: torch.Tensor,
-    grad_scale: torch.Tensor,
-) -> torch.Tensor:
-    """dH/dz = -p * (z - lse + H), times g/T: formed as (p * ((z - lse) + H)) * (-(g/T)), 0 where p == 0."""
-    d = scaled_logits(x, temperature)
-    d.sub_(lse.unsqueeze(1))
-    p = torch.exp(d)
-    d.add_(entropy.unsqueeze(1)).mul_(p).mul_(grad_scale.unsqueeze(1))
-    return d.masked_fill_(p == 0, 0.0)
+    lp = scaled_logits(x, divisor).sub_(row_max.unsqueeze(1)).sub_(log_sum.unsqueeze(1))
+    p = torch.exp(lp)
+    live = (row_max != NEG_INF).unsqueeze(1)
+    out = None
+    if logp_part is not None:
+        local_labels, valid, scale = logp_part
+        a = torch.zeros_like(p).sub_(p)
+        owned = (local_labels >= 0) & (local_labels < x.shape[1])
+        rows = owned.nonzero().squeeze(1)
+        cols = local_labels[rows]
+        a[rows, cols] = a[rows, cols] + 1.0
+        a.mul_(scale.unsqueeze(1))
+        out = a.masked_fill_(~(valid.unsqueeze(1) & live), 0.0)
+    if entropy_part is not None:
+        entropy, scale = entropy_part
+        b = lp.add_(entropy.unsqueeze(1)).mul_(p).mul_((-scale).unsqueeze(1))
+        b.masked_fill_((p == 0) | ~live, 0.0)
+        out = b if out is None else out.add_(b)
+    return out
