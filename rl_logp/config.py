@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 BACKENDS = ("auto", "fused", "chunked", "flash_attn", "torch")
 INVARIANT_BACKENDS = ("auto", "fused", "chunked")
 ENV_PREFIX = "RL_LOGP_"
@@ -56,23 +58,10 @@ class LogpConfig:
                 f"use one of {', '.join(INVARIANT_BACKENDS)} or set strict=False"
             )
 
-    @property
-    def invariant(self) -> bool:
-        """Whether the chosen backend keeps the contract (same bits across batch, chunking and TP)."""
-        return self.backend in INVARIANT_BACKENDS
-
-    def replace(self, **changes: Any) -> LogpConfig:
-        return dataclasses.replace(self, **changes)
-
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LogpConfig:
         """Defaults overridden by `RL_LOGP_*` environment variables."""
         return cls(**_parse_env(os.environ if environ is None else environ))
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any] | None, *, environ: Mapping[str, str] | None = None) -> LogpConfig:
-        """A config from a dict (e.g. verl's `fused_kernel_options.rl_logp`), on top of the environment."""
-        return resolve_config(values, environ=environ)
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(LogpConfig)}
@@ -106,13 +95,42 @@ def _parse_env(environ: Mapping[str, str]) -> dict[str, Any]:
     return found
 
 
+_ENV_KEYS = tuple(os.environ.encodekey(ENV_PREFIX + name.upper()) for name in _FIELDS)
+_RESOLVED: dict[tuple, LogpConfig] = {}
+
+
+def _env_values() -> tuple:
+    """The raw RL_LOGP_* values; os.environ's own mapping (os.environ.get re-encodes each key: ~2 us)."""
+    raw = os.environ._data
+    return tuple(raw.get(k) for k in _ENV_KEYS)
+
+
 def resolve_config(
     values: Mapping[str, Any] | LogpConfig | None = None,
     *,
     environ: Mapping[str, str] | None = None,
     **overrides: Any,
 ) -> LogpConfig:
-    """Merge defaults < environment < `values` (dict or config) < keyword overrides, and validate."""
+    """Merge defaults < environment < `values` (dict or config) < keyword overrides, and validate.
+
+    Eager calls without a dict are memoised on (config, the RL_LOGP_* values, the overrides): the
+    rollout calls this at every decode step, and a changed variable still takes effect.
+    """
+    if environ is None and not isinstance(values, Mapping) and not torch.compiler.is_compiling():
+        key = (values, _env_values(), *overrides.items())
+        found = _RESOLVED.get(key)
+        if found is None:
+            found = _RESOLVED[key] = _resolve(values, None, overrides)
+        return found
+    return _resolve(values, environ, overrides)
+
+
+def _resolve(values, environ, overrides) -> LogpConfig:
+    if values is not None and not isinstance(values, (LogpConfig, Mapping)):
+        hint = f"; to choose a backend pass backend={values!r}" if isinstance(values, str) else ""
+        raise TypeError(
+            f"rl_logp: config must be a LogpConfig or a dict of settings, got {type(values).__name__}{hint}"
+        )
     if isinstance(values, LogpConfig):
         merged: dict[str, Any] = dataclasses.asdict(values)
     else:

@@ -1,7 +1,8 @@
 """Input checks of the public API: every message names the argument and says how to fix it.
 
-`prepare_inputs` turns `logits [..., V]`, `labels [...]` and a temperature into the 2-D/1-D tensors the
-engines take, without copying unless the logits' last dimension is not contiguous.
+`prepare_inputs` turns `logits [..., V]`, `labels` and a temperature into the 2-D/1-D tensors the
+engines take, without copying unless the logits are fp64 (scored as fp32(x), see below) or their last
+dimension is not contiguous. Nothing here reads a tensor's values, so nothing here syncs with a GPU.
 """
 
 from __future__ import annotations
@@ -11,32 +12,34 @@ import math
 
 import torch
 
-LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from rl_logp.temperature import Temperature, same_rows, temperature_from_float, temperature_from_tensor
+
+LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 LABEL_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclasses.dataclass
 class PreparedInputs:
-    logits: torch.Tensor  # [N, V_local], last dim contiguous
-    labels: torch.Tensor  # [N] int64
-    temperature: torch.Tensor | None  # [N] fp32, or None for T == 1
+    logits: torch.Tensor  # [N, V_local] bf16/fp16/fp32, last dim contiguous
+    labels: torch.Tensor | None  # [N] int64
+    temperature: Temperature
     lead_shape: torch.Size
 
 
-def _check_logits(logits: object) -> torch.Tensor:
+def check_logits(logits: object) -> torch.Tensor:
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"rl_logp: logits must be a torch.Tensor, got {type(logits).__name__}")
     if logits.dtype not in LOGIT_DTYPES:
         raise TypeError(
-            f"rl_logp: logits have dtype {logits.dtype}; bf16, fp16 or fp32 are supported "
-            "(cast with logits.float() or logits.to(torch.bfloat16))"
+            f"rl_logp: logits have dtype {logits.dtype}; bf16, fp16, fp32 or fp64 are supported "
+            "(cast with logits.float())"
         )
     if logits.dim() < 1:
         raise ValueError("rl_logp: logits must have a vocabulary dimension, shape [..., V]")
     return logits
 
 
-def _check_labels(labels: object, logits: torch.Tensor) -> torch.Tensor:
+def check_labels(labels: object, logits: torch.Tensor) -> torch.Tensor:
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"rl_logp: labels must be a torch.Tensor, got {type(labels).__name__}")
     if labels.dtype not in LABEL_DTYPES:
@@ -46,69 +49,50 @@ def _check_labels(labels: object, logits: torch.Tensor) -> torch.Tensor:
             f"rl_logp: labels are on {labels.device} but logits on {logits.device}; "
             "move them with labels.to(logits.device)"
         )
-    if labels.shape != logits.shape[:-1]:
+    if not same_rows(labels.shape, logits.shape[:-1]):
         raise ValueError(
             f"rl_logp: labels have shape {tuple(labels.shape)} but logits {tuple(logits.shape)}; "
-            "labels must have the logits' shape without the last (vocabulary) dimension"
+            "labels must have the logits' shape without the last (vocabulary) dimension "
+            "(size-1 dimensions aside, e.g. [1, N] labels with [N, V] logits)"
         )
     return labels
 
 
-def _check_temperature(
-    temperature: float | torch.Tensor | None, logits: torch.Tensor, n: int
-) -> torch.Tensor | None:
+def check_temperature(temperature: float | torch.Tensor | None, logits: torch.Tensor, n: int) -> Temperature:
     if temperature is None:
-        return None
+        return Temperature()
     if isinstance(temperature, torch.Tensor):
-        if temperature.device != logits.device:
-            raise ValueError(
-                f"rl_logp: temperature is on {temperature.device} but logits on {logits.device}; "
-                "move it with temperature.to(logits.device)"
-            )
-        if temperature.dim() == 0:
-            temperature = temperature.expand(n)
-        elif temperature.shape == logits.shape[:-1]:
-            temperature = temperature.reshape(n)
-        else:
-            raise ValueError(
-                f"rl_logp: temperature has shape {tuple(temperature.shape)}; give a float, a 0-d tensor "
-                f"or one value per row, shape {tuple(logits.shape[:-1])}"
-            )
-        temperature = temperature.to(torch.float32)
-        if n and not bool((temperature > 0).all() & torch.isfinite(temperature).all()):
-            raise ValueError("rl_logp: temperature must be finite and > 0 in every row")
-        return temperature.contiguous()
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"rl_logp: temperature must be a float or a tensor, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"rl_logp: temperature={temperature} must be finite and > 0")
-    if float(temperature) == 1.0:
-        return None
-    return torch.full((n,), float(temperature), dtype=torch.float32, device=logits.device)
+        return temperature_from_tensor(temperature, logits.shape[:-1], n, logits.device)
+    return temperature_from_float(temperature)
 
 
 def prepare_inputs(
-    logits: object, labels: object, temperature: float | torch.Tensor | None = None
+    logits: object, labels: object | None, temperature: float | torch.Tensor | None = None
 ) -> PreparedInputs:
-    """Validate and flatten. Logits whose last dimension is strided are copied to contiguous rows."""
-    x = _check_logits(logits)
-    y = _check_labels(labels, x)
+    """Validate and flatten. fp64 logits are scored as fp32(x) (the contract is defined on fp32 z; the
+    gradient flows back in fp64); logits whose last dimension is strided are copied to contiguous rows."""
+    x = check_logits(logits)
+    y = None if labels is None else check_labels(labels, x)
     lead_shape = x.shape[:-1]
     vocab = x.shape[-1]
     n = math.prod(lead_shape)
     x2 = x.reshape(n, vocab)
+    if x2.dtype == torch.float64:
+        x2 = x2.to(torch.float32)
     if vocab > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
     return PreparedInputs(
         logits=x2,
-        labels=y.reshape(n).to(torch.int64),
-        temperature=_check_temperature(temperature, x, n),
+        labels=None if y is None else y.reshape(n).to(torch.int64),
+        temperature=check_temperature(temperature, x, n),
         lead_shape=lead_shape,
     )
 
 
 def check_vocab_fits(vocab_size: int, bits: int) -> None:
     """The int64 sum of V terms below 2^F each cannot overflow while V < 2^(63-F)."""
+    if vocab_size == 0:
+        raise ValueError("rl_logp: logits have an empty vocabulary dimension (V == 0)")
     if vocab_size >= 2 ** (63 - bits):
         raise ValueError(
             f"rl_logp: a vocabulary of {vocab_size} columns can overflow the int64 sum with "

@@ -1,0 +1,59 @@
+"""Which backend runs: `auto` resolution, the fused kernel's availability, and engine construction."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from rl_logp.chunked import ChunkedEngine
+from rl_logp.engine import LogpEngine
+
+INVARIANT_ENGINES = ("fused", "chunked")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=1)
+def fused_import_error() -> str | None:
+    """Why the fused kernels cannot be imported here, or None when they can."""
+    try:
+        import rl_logp.kernels.fused_engine  # noqa: F401
+    except ImportError as err:
+        return str(err)
+    return None
+
+
+def fused_runs_on(device: torch.device) -> bool:
+    """True where `fused` can run: a CUDA device with Triton, or the CPU under TRITON_INTERPRET=1."""
+    if fused_import_error() is not None:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and _interpreting())
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """`auto` becomes `fused` where the kernel runs on `device` (CUDA), else `chunked`; others are checked."""
+    if backend == "auto":
+        return "fused" if device.type == "cuda" and fused_runs_on(device) else "chunked"
+    if backend == "fused" and not fused_runs_on(device):
+        reason = fused_import_error() or f"the logits are on {device}"
+        raise ValueError(
+            f"rl_logp: backend='fused' needs CUDA logits and Triton ({reason}); "
+            "use backend='chunked' (any device) or 'auto'"
+        )
+    return backend
+
+
+@functools.lru_cache(maxsize=16)
+def make_engine(name: str, chunk_bytes: int) -> LogpEngine:
+    """The engine of an invariant backend (`fused` or `chunked`); engines are stateless and cached."""
+    if name == "fused":
+        from rl_logp.kernels.fused_engine import FusedEngine
+
+        return FusedEngine()
+    if name == "chunked":
+        return ChunkedEngine(chunk_bytes)
+    raise ValueError(f"rl_logp: {name!r} is not an invariant engine; use one of {', '.join(INVARIANT_ENGINES)}")
