@@ -103,30 +103,35 @@ def random_cuts(vocab: int, pieces: int, seed: int) -> list[int]:
     return [0, *sorted(int(c) for c in inner), vocab]
 
 
-def split_vocab_logprobs(engine, logits, labels, cuts, bits=40, temperature=None):
-    """What the TP provider computes, with the all-reduces done in-process over vocabulary slices."""
+def split_vocab_stats(engine, logits, labels, cuts, bits=40, temperature=None, entropy=False):
+    """What the TP provider computes, with the all-reduces done in-process over vocabulary slices:
+    (logp, entropy or None, d(sum logp + sum entropy)/d logits)."""
     from rl_logp import contract
+    from rl_logp.temperature import Temperature
 
+    temp = Temperature() if temperature is None else Temperature(rows=temperature)
     slices = [logits[:, a:b] for a, b in itertools.pairwise(cuts)]
-    row_max = torch.stack([engine.row_max(s, temperature) for s in slices]).amax(dim=0)
-    fixed = torch.stack([engine.fixed_sum(s, temperature, row_max, bits) for s in slices]).sum(dim=0)
+    row_max = torch.stack([engine.shard_max(s, temp) for s in slices]).amax(dim=0)
+    sums = [engine.shard_sums(s, temp, row_max, bits, entropy) for s in slices]
+    fixed = torch.stack([s for s, _ in sums]).sum(dim=0)
+    entropy_fixed = torch.stack([e for _, e in sums]).sum(dim=0) if entropy else None
+    divisor = temp.divisor(slice(0, logits.shape[0]), logits.device)
     target = torch.stack(
-        [contract.shard_target_logit(s, labels - a, temperature) for s, a in zip(slices, cuts, strict=False)]
+        [contract.shard_target_logit(s, labels - a, divisor) for s, a in zip(slices, cuts, strict=False)]
     ).sum(dim=0)
-    lse = contract.finalize_lse(row_max, fixed, bits)
+    log_sum, _, ent = contract.finalize(row_max, fixed, entropy_fixed, bits)
     vocab = logits.shape[1]
-    logp = contract.assemble_logp(target, lse, labels, vocab)
-    lse_g, scale = contract.grad_row_terms(torch.ones_like(logp), lse, labels, vocab, temperature)
+    logp = contract.assemble_logp(target, row_max, log_sum, labels, vocab)
+    ones = torch.ones_like(logp)
     grads = []
     for s, a in zip(slices, cuts, strict=False):
         out = torch.empty_like(s)
-        engine.grad(s, temperature, lse_g, labels - a, scale, out)
+        engine.grad(s, temp, labels, a, vocab, row_max, log_sum, ent, ones, ones if entropy else None, out)
         grads.append(out)
-    return logp, torch.cat(grads, dim=1)
+    return logp, ent, torch.cat(grads, dim=1)
 
 
 def make_engine(backend: str, chunk_bytes: int = 1 << 28):
-    from rl_logp import LogpConfig
-    from rl_logp.dispatch import make_engine as make
+    from rl_logp.backends import make_engine as make
 
-    return make(backend, LogpConfig(chunk_bytes=chunk_bytes))
+    return make(backend, chunk_bytes)

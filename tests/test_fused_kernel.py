@@ -1,5 +1,9 @@
-"""The fused Triton kernel: equality with the chunked path, edge rows, 64-bit offsets, device guard,
-workspace. GPU tests skip on CPU; the logic tests also run under TRITON_INTERPRET=1 on the CPU."""
+"""The fused Triton kernels: equality with the chunked path and between their own launch variants, edge
+rows, 64-bit offsets, workspace, host syncs, CUDA graphs. GPU tests skip on CPU; the logic tests also
+run under TRITON_INTERPRET=1 on the CPU (where the interpreter's numpy exp is not torch's, so CPU twins
+compare the kernel's variants with each other, and with chunked only within a few ulps)."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -14,7 +18,8 @@ from helpers import (
     random_labels,
 )
 
-from rl_logp import logprobs, resolve_backend
+from rl_logp import entropy, logprobs, logprobs_and_entropy, resolve_backend
+from rl_logp.temperature import Temperature
 
 FUSED_DEVICES = [
     pytest.param("cpu", id="interpret-cpu", marks=pytest.mark.skipif(not INTERPRET, reason="TRITON_INTERPRET is off")),
@@ -22,29 +27,116 @@ FUSED_DEVICES = [
 ]
 
 
+def _kernels():
+    from rl_logp.kernels import fused_engine, fused_forward
+
+    return fused_engine, fused_forward
+
+
+def _all_stats(engine, x, temp, labels, bits=40):
+    s = engine.row_stats(x, temp, labels, bits, True)
+    return [s.row_max, s.log_sum, s.lse, s.logp, s.entropy]
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("vocab", [1, 255, 1031, 151936])
-@pytest.mark.parametrize("temperature", [None, 0.7])
+@pytest.mark.parametrize("vocab", [1, 255, 1031, 151936, 262144])
+@pytest.mark.parametrize("temperature", [None, 0.7, "rows"])
 def test_fused_equals_chunked_bitwise_on_gpu(dtype, vocab, temperature):
-    logits = model_like_logits(33, vocab, dtype, "cuda", seed=vocab)
-    labels = random_labels(33, vocab, "cuda", seed=vocab)
+    n = 33
+    logits = model_like_logits(n, vocab, dtype, "cuda", seed=vocab)
+    labels = random_labels(n, vocab, "cuda", seed=vocab)
     labels[3] = -100
-    fused = logp_and_grad(logits, labels, backend="fused", temperature=temperature)
-    chunked = logp_and_grad(logits, labels, backend="chunked", temperature=temperature)
-    assert mismatches(fused[0], chunked[0]) == 0
-    assert mismatches(fused[1], chunked[1]) == 0
+    if temperature == "rows":
+        temperature = torch.linspace(0.3, 1.7, n, device="cuda")
+    for fn in (logp_and_grad, _logp_entropy_and_grad):
+        fused = fn(logits, labels, backend="fused", temperature=temperature)
+        chunked = fn(logits, labels, backend="chunked", temperature=temperature)
+        for a, b in zip(fused, chunked, strict=True):
+            assert mismatches(a, b) == 0
+
+
+def _logp_entropy_and_grad(logits, labels, **kwargs):
+    x = logits.detach().clone().requires_grad_(True)
+    logp, h = logprobs_and_entropy(x, labels, **kwargs)
+    (logp.sum() + h.sum()).backward()
+    return logp.detach(), h.detach(), x.grad
+
+
+@needs_cuda
+def test_exp_and_log_match_torch_cuda_including_subnormal_results():
+    # Rows whose non-max logits sit 87..104 below the max: exp(z - M) and p are subnormal in fp32.
+    n, vocab = 8, 4096
+    logits = torch.linspace(-104, 0, vocab, device="cuda").repeat(n, 1)
+    logits[:, 0] = 0.0
+    logits += torch.arange(n, device="cuda").unsqueeze(1) * 0.37
+    labels = torch.arange(n, device="cuda") * 311
+    fused = _logp_entropy_and_grad(logits, labels, backend="fused")
+    chunked = _logp_entropy_and_grad(logits, labels, backend="chunked")
+    for a, b in zip(fused, chunked, strict=True):
+        assert mismatches(a, b) == 0
 
 
 @pytest.mark.parametrize("device", FUSED_DEVICES)
-def test_split_and_cast_quantisations_agree(device):
-    from rl_logp.kernels.fused_logp import QUANT_CAST, QUANT_SPLIT, FusedConfig, FusedEngine
+def test_launch_variants_give_the_same_bits(device):
+    fused_engine, fwd = _kernels()
+    vocab = 151936 if device == "cuda" else 1531
+    x = model_like_logits(7, vocab, torch.bfloat16, device, seed=2)
+    x[0] = 0.0  # every term is exactly 1: the integer sums at their largest
+    x[1, 100:] = float("-inf")
+    labels = random_labels(7, vocab, device)
+    base = fused_engine.FusedConfig()
+    small = 256 if device == "cpu" else 4096
+    variants = [
+        dataclasses.replace(base, quant=fwd.QUANT_CAST),
+        dataclasses.replace(base, seg=2 * small, chunk=small),
+        dataclasses.replace(base, seg=small // 2, chunk=small // 2, width=small // 4),
+        dataclasses.replace(base, sync=False),
+        dataclasses.replace(base, programs_per_sm=1),
+        dataclasses.replace(base, pipeline_min_rows=1),
+        dataclasses.replace(base, pipeline_min_rows=1, pipeline_chunk=small // 2, pipeline_programs_per_sm=2),
+    ]
+    if device == "cuda":  # the interpreter's fma is a separate multiply and add, so only the GPU can run it
+        variants.append(dataclasses.replace(base, div=fwd.DIV_RECIPROCAL))
+    for temp in (Temperature(), Temperature(scalar=0.7), Temperature(rows=torch.linspace(0.5, 1.5, 7, device=device))):
+        ref = _all_stats(fused_engine.FusedEngine(base), x, temp, labels)
+        for cfg in variants:
+            got = _all_stats(fused_engine.FusedEngine(cfg), x, temp, labels)
+            for a, b in zip(got, ref, strict=True):
+                assert mismatches(a, b) == 0, cfg
 
-    vocab = 151936 if device == "cuda" else 3001
-    x = model_like_logits(9, vocab, torch.bfloat16, device, seed=2)
-    a = FusedEngine(FusedConfig(quant=QUANT_SPLIT)).row_stats(x, None, 40)
-    b = FusedEngine(FusedConfig(quant=QUANT_CAST)).row_stats(x, None, 40)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+@needs_cuda
+def test_reciprocal_division_is_the_ieee_quotient_for_every_bf16_and_fp32_input():
+    _, fwd = _kernels()
+    x_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32, device="cuda").to(torch.int16).view(torch.bfloat16)
+    x_fp32 = torch.randint(-(2**31), 2**31 - 1, (1 << 22,), dtype=torch.int32, device="cuda").view(torch.float32)
+    temps = torch.cat([torch.tensor([0.7, 0.6, 1.3, 1e-3, 0.999, 7.0], device="cuda"),
+                       torch.exp(torch.empty(40, device="cuda").uniform_(-7, 7))])
+    bad = 0
+    for values in (x_bf16, x_fp32):
+        for t in temps.tolist():
+            got = _divide(values, t, fwd.DIV_RECIPROCAL)
+            want = values.float() / torch.tensor(t, device="cuda")
+            bad += int(((got.view(torch.int32) != want.view(torch.int32)) & ~(got.isnan() & want.isnan())).sum())
+    assert bad == 0
+
+
+def _divide(values, t, div):
+    import triton
+    import triton.language as tl
+
+    from rl_logp.kernels.fused_forward import scale_logits
+
+    @triton.jit
+    def divide(X, Z, t, n, DIV: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(X + offs, mask=offs < n)
+        tl.store(Z + offs, scale_logits(x, t, tl.math.div_rn(1.0, t), 1, DIV), mask=offs < n)
+
+    out = torch.empty(values.shape, dtype=torch.float32, device="cuda")
+    divide[(triton.cdiv(values.numel(), 1024),)](values, out, t, values.numel(), DIV=div, BLOCK=1024)
+    return out
 
 
 @pytest.mark.parametrize("device", FUSED_DEVICES)
@@ -65,13 +157,10 @@ def test_masked_tails_and_fully_masked_rows(device):
     logits[0, 400:] = float("-inf")
     logits[1, :] = float("-inf")
     labels = torch.tensor([3, 3, 3], device=device)
-    logp, grad = logp_and_grad(logits, labels, backend="fused")
+    logp, h, grad = _logp_entropy_and_grad(logits, labels, backend="fused")
     assert torch.isfinite(logp).all() and torch.isfinite(grad).all()
-    assert logp[1] == 0 and grad[1].abs().sum() == 0
+    assert logp[1] == 0 and h[1] == 0 and grad[1].abs().sum() == 0
     assert (grad[0, 400:] == 0).all()
-    chunked = logp_and_grad(logits, labels, backend="chunked")
-    if device == "cuda":
-        assert mismatches(logp, chunked[0]) == 0 and mismatches(grad, chunked[1]) == 0
 
 
 @needs_cuda
@@ -94,30 +183,73 @@ def test_rows_past_int32_offsets():
 @needs_cuda
 def test_forward_allocates_only_outputs_and_backward_only_the_gradient():
     n, vocab = 4096, 151936
-    x = torch.randn(n, vocab, device="cuda").to(torch.bfloat16).requires_grad_(True)
+    x = torch.randn(n, vocab, device="cuda").to(torch.bfloat16)
     labels = torch.randint(0, vocab, (n,), device="cuda")
-    logprobs(x, labels, backend="fused").sum().backward()  # compile outside the measurement
-    x.grad = None
+    leaf = x.clone().requires_grad_(True)
+    logprobs(leaf * 1.0, labels, backend="fused", temperature=0.7).sum().backward()  # compile outside the measurement
+    for temperature in (None, 0.7, torch.full((n,), 0.7, device="cuda")):
+        y = (leaf * 1.0).detach().requires_grad_(True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = logprobs(y, labels, backend="fused", temperature=temperature)
+        # outputs, per-row statistics and workspace (4 words and cdiv(V, seg) maxima per row): nothing per logit
+        assert torch.cuda.max_memory_allocated() - base <= 256 * n
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out.sum().backward()
+        assert torch.cuda.max_memory_allocated() - base <= y.numel() * 2 + 256 * n
+    nonleaf = leaf * 1.0
+    out = logprobs(nonleaf, labels, backend="fused", inplace_backward=True, temperature=0.7)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out = logprobs(x, labels, backend="fused")
-    fwd_peak = torch.cuda.max_memory_allocated() - base
-    # outputs + per-row fp32/int64 statistics: a few dozen bytes per row, nothing per logit
-    assert fwd_peak <= 64 * n, fwd_peak
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
     out.sum().backward()
-    bwd_peak = torch.cuda.max_memory_allocated() - base
-    assert bwd_peak <= x.numel() * 2 + 64 * n, bwd_peak
-    x.grad = None
-    y = x.detach().clone().requires_grad_(True)
-    out = logprobs(y, labels, backend="fused", inplace_backward=True)
+    assert torch.cuda.max_memory_allocated() - base <= y.numel() * 2 + 256 * n  # leaf.grad itself
+    leaf.grad = None
+
+
+@needs_cuda
+def test_no_host_sync_on_the_hot_path():
+    n, vocab = 64, 151936
+    x = model_like_logits(n, vocab, torch.bfloat16, "cuda").requires_grad_(True)
+    labels = random_labels(n, vocab, "cuda")
+    temp = torch.full((n,), 0.7, device="cuda")
+    logprobs(x, labels, temperature=temp).sum().backward()  # compile the kernels first
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out.sum().backward()
-    assert torch.cuda.max_memory_allocated() - base <= 64 * n
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            logprobs(x, labels, temperature=temp)
+            logprobs(x, labels, temperature=0.7)
+            entropy(x, temperature=temp)
+        lp, h = logprobs_and_entropy(x, labels, temperature=temp)
+        (lp.sum() + h.sum()).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@needs_cuda
+def test_cuda_graph_capture_replays_the_same_bits():
+    n, vocab = 256, 151936
+    x = model_like_logits(n, vocab, torch.bfloat16, "cuda")
+    labels = random_labels(n, vocab, "cuda")
+    temp = torch.full((n,), 0.7, device="cuda")
+    with torch.no_grad():
+        eager = logprobs(x, labels, temperature=temp)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            logprobs(x, labels, temperature=temp)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = logprobs(x, labels, temperature=temp)
+        x.copy_(model_like_logits(n, vocab, torch.bfloat16, "cuda", seed=9))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert mismatches(captured, logprobs(x, labels, temperature=temp)) == 0
+        assert mismatches(captured, eager) > 0  # the replay read the new logits
 
 
 @pytest.mark.parametrize("device", FUSED_DEVICES)
@@ -125,11 +257,24 @@ def test_inplace_backward_gives_the_same_gradient(device):
     vocab = 1031 if device == "cpu" else 151936
     logits = model_like_logits(7, vocab, torch.bfloat16, device)
     labels = random_labels(7, vocab, device)
-    expected = logp_and_grad(logits, labels, backend="fused")[1]
+    expected = logp_and_grad(logits, labels, backend="fused", temperature=0.7)[1]
     leaf = logits.clone().requires_grad_(True)
     scaled = leaf * 1.0  # a non-leaf the gradient can overwrite
-    logprobs(scaled, labels, backend="fused", inplace_backward=True).sum().backward()
+    logprobs(scaled, labels, backend="fused", inplace_backward=True, temperature=0.7).sum().backward()
     assert mismatches(leaf.grad, expected) == 0
+
+
+@pytest.mark.parametrize("backend", ["chunked", pytest.param("fused", marks=pytest.mark.skipif(
+    not (HAS_CUDA or INTERPRET), reason="the fused kernel cannot run here"))])
+def test_inplace_backward_never_overwrites_a_leaf(backend):
+    device = "cuda" if backend == "fused" and HAS_CUDA else "cpu"
+    w = model_like_logits(5, 257, torch.float32, device).requires_grad_(True)
+    before = w.detach().clone()
+    labels = random_labels(5, 257, device)
+    logprobs(w, labels, backend=backend, inplace_backward=True).sum().backward()
+    assert mismatches(w.detach(), before) == 0
+    assert w.grad.data_ptr() != w.data_ptr()
+    assert mismatches(w.grad, logp_and_grad(before, labels, backend=backend)[1]) == 0
 
 
 def test_inplace_backward_refuses_to_feed_a_later_reader():
@@ -160,16 +305,17 @@ def test_auto_picks_fused_on_cuda_and_chunked_on_cpu():
         assert resolve_backend("auto", torch.device("cuda")) == "fused"
 
 
-def test_fused_engine_shard_partials_are_given_a_global_max():
-    engine = make_engine("fused") if (INTERPRET or HAS_CUDA) else None
-    if engine is None:
-        pytest.skip("the fused kernel cannot run here (no CUDA, TRITON_INTERPRET off)")
-    device = "cuda" if HAS_CUDA else "cpu"
+@pytest.mark.parametrize("device", FUSED_DEVICES)
+def test_fused_shard_sums_are_given_a_global_max(device):
+    engine = make_engine("fused")
     x = model_like_logits(4, 700, torch.float32, device)
     global_max = x.amax(dim=1) + 1.5
-    part = engine.fixed_sum(x[:, 100:350], None, global_max, 40)
-    ref = (torch.exp(x[:, 100:350] - global_max[:, None]) * 2.0**40).to(torch.int64).sum(dim=1)
+    part, part_entropy = engine.shard_sums(x[:, 100:350], Temperature(), global_max, 40, True)
+    d = x[:, 100:350] - global_max[:, None]
+    ref = (torch.exp(d) * 2.0**40).to(torch.int64).sum(dim=1)
+    ref_entropy = (torch.exp(d) * d * 2.0**40).to(torch.int64).sum(dim=1)
     if device == "cuda":
-        assert torch.equal(part, ref)
+        assert torch.equal(part, ref) and torch.equal(part_entropy, ref_entropy)
     else:  # the interpreter's numpy exp is not torch's CPU exp: within a few ulps per term
         assert ((part - ref).abs().double() <= ref.double() * 2**-20 + 256).all()
+        assert ((part_entropy - ref_entropy).abs().double() <= ref_entropy.abs().double() * 2**-20 + 256).all()

@@ -19,8 +19,10 @@ from helpers import (
     model_like_logits,
     random_cuts,
     random_labels,
-    split_vocab_logprobs,
+    split_vocab_stats,
 )
+
+from rl_logp import logprobs_and_entropy
 
 
 def _sweep_shape(backend, device):
@@ -91,13 +93,16 @@ def test_vocab_split_at_random_points_matches_unsplit(backend, device, temperatu
     labels = random_labels(n, vocab, device, seed=11)
     labels[0] = -100
     temp = None if temperature is None else temperature.to(device).expand(n).contiguous()
-    whole = logp_and_grad(logits, labels, backend=backend, temperature=temp)
+    x = logits.detach().clone().requires_grad_(True)
+    logp, ent = logprobs_and_entropy(x, labels, backend=backend, temperature=temp)
+    (logp.sum() + ent.sum()).backward()
     engine = make_engine(backend)
     for pieces, seed in [(2, 0), (3, 1), (4, 2), (7, 3)]:
         cuts = random_cuts(vocab, pieces, seed)
-        logp, grad = split_vocab_logprobs(engine, logits, labels, cuts, temperature=temp)
-        assert mismatches(logp, whole[0]) == 0, cuts
-        assert mismatches(grad, whole[1]) == 0, cuts
+        split = split_vocab_stats(engine, logits, labels, cuts, temperature=temp, entropy=True)
+        assert mismatches(split[0], logp.detach()) == 0, cuts
+        assert mismatches(split[1], ent.detach()) == 0, cuts
+        assert mismatches(split[2], x.grad) == 0, cuts
 
 
 def test_float_sum_baseline_is_not_split_invariant():
