@@ -314,6 +314,68 @@ def run_rollout(args, device) -> list[dict]:
     return results
 
 
+def _timed_call(engine, kind: str, inputs: list[torch.Tensor], labels: torch.Tensor, temp, vocab: int):
+    """fn(i) running one forward or backward of `engine` on input set i % 2."""
+    if kind == "forward":
+        return lambda i: engine.row_stats(inputs[i % 2], temp, labels, 40, False)
+    stats = engine.row_stats(inputs[0], temp, labels, 40, False)
+    g, out = torch.ones(labels.shape[0], device=labels.device), torch.empty_like(inputs[0])
+    return lambda i: engine.grad(inputs[i % 2], temp, labels, 0, vocab, stats.row_max, stats.log_sum, None, g, None,
+                                 out)
+
+
+def run_autotune(args, device, bandwidth) -> list[dict]:
+    """Time forward and backward variants of the fused kernels at the largest N, pick the fastest
+    (forward: T = 1 plus T = 0.7; backward likewise), write the choice as RL_LOGP_FUSED_CONFIG JSON to
+    --tuned (later stages of the device run export it) and use it for the rest of this run."""
+    from rl_logp import backends
+    from rl_logp.kernels import fused_engine
+    from rl_logp.kernels.fused_forward import DIV_IEEE, DIV_RECIPROCAL
+    from rl_logp.temperature import Temperature
+
+    n = args.rows[-1]
+    inputs, labels = make_inputs(n, args.vocab, device, 11)
+    base = fused_engine.FusedConfig()
+    segmented = {"pipeline_min_rows": 1 << 40}
+    forward = [{"pipeline_chunk": c, "pipeline_warps": w, "pipeline_programs_per_sm": p}
+               for c, w, p in [(8192, 16, 1), (16384, 32, 1), (16384, 16, 1), (8192, 8, 2), (4096, 8, 2)]]
+    forward += [{**segmented, "seg": 262144, "chunk": 4096, "warps": 8, "programs_per_sm": 8},
+                {**segmented, "seg": 262144, "chunk": 8192, "warps": 16, "programs_per_sm": 4},
+                {**segmented, "seg": 8192, "chunk": 2048}, segmented]
+    backward = [{"grad_block": b, "grad_warps": w} for b, w in [(4096, 8), (8192, 8), (2048, 4), (8192, 16)]]
+    if args.smoke:
+        forward, backward = forward[:1], backward[:1]
+    temps = (Temperature(), Temperature(scalar=0.7))
+    results, best = [], {}
+    for kind, variants in (("forward", forward), ("backward", backward)):
+        for div in (DIV_IEEE, DIV_RECIPROCAL):
+            for overrides in variants:
+                cfg = dataclasses.replace(base, div=div, **overrides)
+                engine = fused_engine.FusedEngine(cfg)
+                row = {"suite": "autotune", "kind": kind, "config": {**overrides, "div": div}, "rows": n}
+                try:
+                    times = [_median_ms(_timed_call(engine, kind, inputs, labels, t, args.vocab), args.reps, device)
+                             for t in temps]
+                    row.update(t1_ms=times[0], t07_ms=times[1])
+                    if (kind, div) not in best or sum(times) < best[kind, div][0]:
+                        best[kind, div] = (sum(times), overrides)
+                except Exception as err:
+                    row["error"] = f"{type(err).__name__}: {err}"
+                results.append(row)
+                print(json.dumps(row), flush=True)
+    # one division for both kernels: the one with the smaller best forward + best backward
+    div = min((DIV_IEEE, DIV_RECIPROCAL), key=lambda d: best["forward", d][0] + best["backward", d][0])
+    chosen = {**best["forward", div][1], **best["backward", div][1], "div": div}
+    os.environ[fused_engine.TUNING_VARIABLE] = json.dumps(chosen)
+    backends.make_engine.cache_clear()
+    if args.tuned:
+        with open(args.tuned, "w") as f:
+            json.dump(chosen, f)
+    results.append({"suite": "autotune", "kind": "chosen", "config": chosen})
+    print("chosen fused config:", json.dumps(chosen), flush=True)
+    return results
+
+
 def run_overhead(args, device) -> list[dict]:
     """Host time per rollout-size call, piece by piece (no sync inside the loop: launches queue up)."""
     from rl_logp.config import resolve_config
@@ -354,7 +416,7 @@ def print_table(results: list[dict]) -> None:
     print(f"\n{'suite':20s} {'provider':36s} {'N':>6s} {'fwd ms':>8s} {'x flr':>6s} {'f+b ms':>8s} {'x flr':>6s} "
           f"{'peak GiB':>8s} {'mism':>4s}")
     for r in results:
-        if r.get("suite") in ("sweep", "rollout", "overhead"):
+        if r.get("suite") in ("sweep", "rollout", "overhead", "autotune"):
             continue
         if "error" in r:
             print(f"{r['suite']:20s} {r['provider']:36s} {r.get('rows', 0):6d} error: {r['error'][:60]}")
@@ -372,6 +434,9 @@ def print_table(results: list[dict]) -> None:
     for r in results:
         if r.get("suite") == "overhead":
             print(f"host per call {r['provider']:45s} {r['host_us']:8.1f} us")
+    for r in results:
+        if r.get("suite") == "autotune" and "t1_ms" in r:
+            print(f"autotune {r['kind']:8s} {json.dumps(r['config'])[:90]:90s} {r['t1_ms']:7.3f} {r['t07_ms']:7.3f}")
     rollout = [r for r in results if r.get("suite") == "rollout"]
     if rollout:
         print(f"\n{'rollout call':14s} {'N':>5s} {'T':>4s} {'wall us':>9s} {'cuda us':>9s}")
@@ -388,7 +453,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--rollout-reps", type=int, default=200)
-    parser.add_argument("--suites", nargs="+", default=["main", "rollout"], choices=["main", "sweep", "rollout", "overhead"])
+    parser.add_argument("--suites", nargs="+", default=["main", "rollout"], choices=["autotune", "main", "sweep", "rollout", "overhead"])
+    parser.add_argument("--tuned", help="autotune: where to write the chosen RL_LOGP_FUSED_CONFIG JSON")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (fused under TRITON_INTERPRET=1)")
     parser.add_argument("--out", default="benchmarks/results/bench_logp.json")
     args = parser.parse_args()
@@ -398,6 +464,8 @@ def main() -> None:
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth (read+write): {bandwidth / 1e12:.3f} TB/s on {device}", flush=True)
     results = []
+    if "autotune" in args.suites:
+        results += run_autotune(args, device, bandwidth)
     if "main" in args.suites:
         results += run_main(args, device, bandwidth)
     if "sweep" in args.suites:
@@ -413,6 +481,7 @@ def main() -> None:
         "python": platform.python_version(),
         "copy_bandwidth_Bps": bandwidth,
         "command": " ".join(sys.argv),
+        "fused_config": os.environ.get("RL_LOGP_FUSED_CONFIG", ""),
         "results": results,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

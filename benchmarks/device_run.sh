@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: lay out the package, install the carried wheels (.whl/, see
 # benchmarks/make_device_bundle.sh), then run the stages named in STAGES (default: tests bench):
-#   tests     the GPU tests (TEST_FILES, TEST_FILTER) -> $OUT/gpu_tests.txt
-#   sweep     bench_logp.py --suites sweep rollout (launch variants of the fused kernels)
-#   bench     bench_logp.py (main + rollout suites) -> $OUT/h200_bench.json
+#   tests     the GPU tests (TEST_FILES, TEST_FILTER) -> $OUT/gpu_tests.txt, then the vLLM and sampling-mask
+#             CUDA tests against vLLM 0.24.0 -> $OUT/gpu_tests_vllm.txt
+#   sweep     bench_logp.py --suites sweep rollout overhead (launch variants of the fused kernels)
+#   autotune  bench_logp.py --suites autotune: the fastest launch variant, exported as RL_LOGP_FUSED_CONFIG
+#             to the later stages -> $OUT/h200_autotune.json, $OUT/fused_config.json
+#   bench     bench_logp.py (main + rollout + overhead suites) -> $OUT/h200_bench.json
 #   verl      bench_verl_step.py -> $OUT/h200_verl_step.json
 #   rollout   bench_rollout.py against each carried vLLM -> $OUT/h200_rollout_<version>.json
 #   check     the TP=2 agreement check with each carried vLLM as the rollout side
@@ -42,15 +45,15 @@ for stage in ${STAGES}; do
       timeout "${SWEEP_TIMEOUT:-300}" python3 -P benchmarks/bench_logp.py --suites sweep rollout overhead --rows 32768 \
         --reps "${REPS:-10}" --out "$OUT/h200_sweep.json" 2>&1 | tail -40 ;;
     bench)
-      timeout "${BENCH_TIMEOUT:-330}" python3 -P benchmarks/bench_logp.py --reps "${REPS:-10}" \
-        --out "$OUT/h200_bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -45 ;;
+      timeout "${BENCH_TIMEOUT:-330}" python3 -P benchmarks/bench_logp.py --suites main rollout overhead \
+        --reps "${REPS:-10}" --out "$OUT/h200_bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -60 ;;
     verl)
-      timeout "${VERL_TIMEOUT:-240}" python3 -P benchmarks/bench_verl_step.py --out "$OUT/h200_verl_step.json" 2>&1 \
-        | quiet | tee "$OUT/verl_step.txt" | tail -30 ;;
+      timeout "${VERL_TIMEOUT:-480}" python3 -P benchmarks/bench_verl_step.py --reps "${REPS:-10}" \
+        --out "$OUT/h200_verl_step.json" 2>&1 | quiet | tee "$OUT/verl_step.txt" | tail -30 ;;
     rollout)
-      for version in "${VLLM_VERSIONS[@]}"; do
-        PYTHONPATH="${BASE}:/tmp/vllm-${version}" timeout "${ROLLOUT_TIMEOUT:-150}" python3 -P benchmarks/bench_rollout.py \
-          --out "$OUT/h200_rollout_${version}.json" 2>&1 | quiet | tee "$OUT/rollout_${version}.txt" | tail -25
+      for version in ${ROLLOUT_VERSIONS:-${VLLM_VERSIONS[@]}}; do
+        PYTHONPATH="${BASE}:/tmp/vllm-${version}" timeout "${ROLLOUT_TIMEOUT:-240}" python3 -P benchmarks/bench_rollout.py \
+          --reps "${REPS:-20}" --out "$OUT/h200_rollout_${version}.json" 2>&1 | quiet | tee "$OUT/rollout_${version}.txt" | tail -42
       done ;;
     check)
       for version in "${VLLM_VERSIONS[@]}"; do

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fused_forward import exact_exp, row_temperature, scale_logits
+from .fused_forward import exact_exp, row_reciprocal, row_temperature, scale_logits
 
 
 @triton.jit
@@ -32,11 +32,8 @@ def _grad_kernel(
     mask = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0, eviction_policy="evict_first")
     t = row_temperature(TEMP, t_scalar, row, TEMP_MODE)
-    inv_t = t
-    if DIV == 1 and TEMP_MODE != 0:
-        inv_t = tl.math.div_rn(1.0, t)
-    z = scale_logits(x, t, inv_t, TEMP_MODE, DIV)
     row_max = tl.load(ROW_MAX + row)
+    z = scale_logits(x, t, row_reciprocal(t, row_max, TEMP_MODE, DIV), TEMP_MODE, DIV)
     live = row_max != float("-inf")
     lp = (z - row_max) - tl.load(LOG_SUM + row)
     p = exact_exp(lp)

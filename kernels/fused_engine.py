@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
+import os
 import struct
 
 import torch
@@ -71,6 +73,28 @@ class FusedConfig:
     grad_warps: int = 8
 
 
+TUNING_VARIABLE = "RL_LOGP_FUSED_CONFIG"
+
+
+def config_from_environment() -> FusedConfig:
+    """`FusedConfig()` with the overrides of RL_LOGP_FUSED_CONFIG, a JSON object of its fields (a tuning
+    knob for other GPUs; every variant gives the same bits). Unknown fields or types are an error."""
+    raw = os.environ.get(TUNING_VARIABLE)
+    if not raw:
+        return FusedConfig()
+    try:
+        overrides = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"rl_logp: {TUNING_VARIABLE}={raw!r} is not JSON ({err})") from None
+    fields = {f.name: f for f in dataclasses.fields(FusedConfig)}
+    if not isinstance(overrides, dict) or set(overrides) - set(fields):
+        raise ValueError(f"rl_logp: {TUNING_VARIABLE} must be a JSON object with keys among {sorted(fields)}, got {raw!r}")
+    for key, value in overrides.items():
+        if type(value) is not type(getattr(FusedConfig, key)):
+            raise ValueError(f"rl_logp: {TUNING_VARIABLE}: {key}={value!r} must be a {type(getattr(FusedConfig, key)).__name__}")
+    return FusedConfig(**overrides)
+
+
 @functools.lru_cache(maxsize=8)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -108,7 +132,7 @@ class FusedEngine(LogpEngine):
     name = "fused"
 
     def __init__(self, config: FusedConfig | None = None) -> None:
-        self.config = config or FusedConfig()
+        self.config = config or config_from_environment()
 
     def _launch(self, x, temp, labels, bits, *, phase, finalize, logp, entropy, max_in=None, ticket_slot=0,
                 ws=None, part_max=None, outs=None):

@@ -28,7 +28,7 @@ which avoids a float-to-int64 conversion per element (those share the special-fu
 `QUANT_CAST` is the plain conversion. Both give the same integers (the split needs F <= 40).
 Temperature: z = x / T correctly rounded, T a scalar or one value per row: `DIV_IEEE` is `div_rn` per
 element, `DIV_RECIPROCAL` multiplies by the correctly rounded 1/T of the row and corrects with one fma
-(see `scale_logits`). The row max is taken on x and divided once (correctly rounded division is
+where that gives the same output bits (see `row_reciprocal`). The row max is taken on x and divided once (correctly rounded division is
 monotonic). A row whose temperature is not finite and > 0 gets M = NaN: every statistic of it is NaN.
 Exponentials and logarithms are libdevice's (the functions torch's CUDA `exp`/`log` use), so the
 `chunked` torch path and this kernel agree bit for bit on a GPU.
@@ -108,26 +108,35 @@ def row_temperature(TEMP, t_scalar, row, TEMP_MODE: tl.constexpr):
 
 
 @triton.jit
-def scale_logits(x, t, inv_t, TEMP_MODE: tl.constexpr, DIV: tl.constexpr):
-    """z = fp32(x) / T correctly rounded, or fp32(x) without a temperature.
+def row_reciprocal(t, row_max, TEMP_MODE: tl.constexpr, DIV: tl.constexpr):
+    """The correctly rounded 1/T when `DIV_RECIPROCAL` gives this row the IEEE bits, else 0.0 (div_rn).
 
-    DIV_RECIPROCAL: q = x (1/T), r = fma(-q, T, x), z = fma(r, 1/T, q), the correctly rounded quotient
-    when 1/T is correctly rounded and nothing underflows or overflows (Markstein's theorem); z = q where
-    r == 0 (q is exact; +-0 keep their sign) or r is not finite (+-inf and NaN logits). Tiles holding a
-    logit of magnitude below 2^-100 or above 2^100, or rows whose T is outside [2^-100, 2^100], take
-    `div_rn` (one uniform branch per tile), so every input gets the IEEE quotient.
+    q = x (1/T), r = fma(-q, T, x), z = fma(r, 1/T, q) is the correctly rounded x / T (Markstein) unless
+    x / T under- or overflows. With 2^-60 <= |M| <= 2^100 and 2^-10 <= T <= 2^100 the exceptions cannot
+    change a bit of the outputs: a logit above 2^100 T would make |M| larger; a quotient that
+    underflows (|x| < 2^-100) is below half an ulp of M, so z - M = -M whatever its last bits (and
+    exp(z - M) of a -inf or huge negative z is 0 either way). Other rows take div_rn.
     """
+    inv_t = tl.full([], 0.0, tl.float32)
+    if DIV == 1 and TEMP_MODE != 0:
+        m = tl.abs(row_max)
+        ok = (t >= 9.765625e-04) & (t <= 1.2676506002282294e30) & (m >= 8.673617379884035e-19) & (m <= 1.2676506002282294e30)
+        inv_t = tl.where(ok, tl.math.div_rn(1.0, t), 0.0)
+    return inv_t
+
+
+@triton.jit
+def scale_logits(x, t, inv_t, TEMP_MODE: tl.constexpr, DIV: tl.constexpr):
+    """z = fp32(x) / T, or fp32(x) without a temperature: `div_rn`, or with DIV_RECIPROCAL and a row
+    for which `row_reciprocal` gave 1/T, the reciprocal and one fma correction (NaN only where x is
+    +-inf or NaN, where the product q itself is the quotient)."""
     z = x.to(tl.float32)
     if TEMP_MODE != 0:
         if DIV == 1:
-            a = tl.abs(z)
-            risky = ((a < 7.888609052210118e-31) & (a > 0.0)) | ((a > 1.2676506002282294e30) & (a < float("inf")))
-            t_ok = (t >= 7.888609052210118e-31) & (t <= 1.2676506002282294e30)
-            if (tl.max(risky.to(tl.int32)) == 0) & t_ok:
+            if inv_t > 0.0:
                 q = z * inv_t
-                r = tl.fma(-q, t, z)
-                mag = tl.abs(r)
-                z = tl.where((mag > 0.0) & (mag < float("inf")), tl.fma(r, inv_t, q), q)
+                corrected = tl.fma(tl.fma(-q, t, z), inv_t, q)
+                z = tl.where(corrected != corrected, q, corrected)
             else:
                 z = tl.math.div_rn(z, t)
         else:
@@ -250,9 +259,6 @@ def _row_stats_kernel(
         base = X + row * stride_x + seg * SEG
         acc = WS + ROW_WORDS * row
         t = row_temperature(TEMP, t_scalar, row, TEMP_MODE)
-        inv_t = t
-        if DIV == 1 and TEMP_MODE != 0:
-            inv_t = tl.math.div_rn(1.0, t)
         if PHASE != 2:
             # Pass 1: the segment's exact max (of x; divided once by T below).
             if CHUNK == SEG:
@@ -290,6 +296,7 @@ def _row_stats_kernel(
                                 volatile=True)
                 row_max = max_all(parts)
             shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+            inv_t = row_reciprocal(t, row_max, TEMP_MODE, DIV)
             if CHUNK == SEG and PHASE == 3:
                 s, h = tile_sums(scale_logits(x, t, inv_t, TEMP_MODE, DIV), shift, q_scale, ENTROPY, QUANT,
                                  HI_BIAS, LO_BIAS, LO_BITS, HI_PATTERN, LO_PATTERN)
@@ -347,14 +354,12 @@ def _row_pipeline_kernel(
         nxt = row + n_programs
         more = nxt < n_rows
         t = row_temperature(TEMP, t_scalar, row, TEMP_MODE)
-        inv_t = t
-        if DIV == 1 and TEMP_MODE != 0:
-            inv_t = tl.math.div_rn(1.0, t)
         row_max = m_next
         if TEMP_MODE != 0:
             row_max = tl.math.div_rn(row_max, t)
         row_max = tl.where(bad_temperature(t, TEMP_MODE), float("nan"), row_max + 0.0)
         shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+        inv_t = row_reciprocal(t, row_max, TEMP_MODE, DIV)
         lane_max = tl.full(tile.shape, float("-inf"), tl.float32)
         s_hi, s_lo, e_hi, e_lo = zero_accumulators(tile, QUANT)
         n_tiles = tl.zeros([], tl.int32)
@@ -395,7 +400,7 @@ def finalize_row(row, row_max, fixed, entropy_fixed, X, stride_x, LABELS, t, n_c
         label = tl.load(LABELS + row)
         owned = (label >= 0) & (label < n_cols)
         picked = tl.load(X + row * stride_x + tl.where(owned, label, 0))
-        target = scale_logits(picked, t, t, TEMP_MODE, 0)
+        target = scale_logits(picked, t, 0.0, TEMP_MODE, 0)
         logp = (target - row_max) - log_sum32
         tl.store(OUT_LOGP + row, tl.where(owned & (row_max != float("-inf")), logp, 0.0))
     if ENTROPY:

