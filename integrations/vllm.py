@@ -1,41 +1,53 @@
-"""vLLM adapter: every logprob vLLM computes comes from rl-logp's invariant lse.
+"""vLLM adapter: every logprob vLLM computes comes from rl-logp's contract, and top-k / top-p sampling
+keeps the contract's kept set (`rl_logp.sampling_mask`).
 
 Patched, where the installed vLLM has them (probed, not assumed; 0.24.0 and 0.34.0 are tested):
 - Model Runner V1 (vLLM <= 0.2x): `vllm.v1.sample.sampler.Sampler.compute_logprobs` (full-vocab logprobs;
   the sampled token, top-k and ranks of every `logprobs_mode` are gathered from it by vLLM's own code).
 - V1 processed modes: `TopKTopPSampler.forward_native` / `forward_cpu` (they call log_softmax on the
   processed logits themselves). Samplers bind `forward` when constructed: apply before the engine starts
-  (the `vllm.general_plugins` entry point does). `forward_cuda` with FlashInfer returns no logprobs.
+  (the `vllm.general_plugins` entry point does).
 - Model Runner V2, GPU worker: `vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs` (the Triton
   log-softmax behind `compute_topk_logprobs` / `compute_topk_scores`: sampled token, top-k, custom
-  logprob token ids, prompt logprobs; ranks come from the logits and need no lse), and
+  logprob token ids, prompt logprobs; ranks come from the logits and need no normaliser), and
   `vllm.v1.worker.gpu.sample.gumbel.apply_temperature` (vLLM's Triton `logits / T`, replaced by torch's
   IEEE division so the processed logits are the contract's `fp32(x) / T`; T in {0, 1} stays a no-op).
 - Model Runner V2, CPU worker (vLLM >= 0.3x): `vllm.v1.worker.cpu.logprob.compute_token_logprobs`.
+- Sampling (`sampling_mask=True`, the default): `vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p`
+  (every caller: V1's `TopKTopPSampler`, its rejection sampler, the V2 GPU and CPU workers; it replaces
+  vLLM's Triton kernel and its sort-based PyTorch rule) and `flashinfer_sample` (V1's `forward_cuda`
+  and the V2 GPU worker sample with FlashInfer when no processed logprobs are asked for; the replacement
+  masks with the contract and draws with exponential noise, vLLM's own native method).
+
+Every logprob is `(z[j] - M) - L` with `(M, L) = rl_logp.log_normalizer(z)` (the contract: `M` the exact
+row max, `L` the log of the int64 fixed-point sum): the bits `rl_logp.logprobs` gives for label j.
 
 Which logits each mode scores: `raw_logprobs` the model's logits; `processed_logprobs` the fp32 logits
-after vLLM's temperature division (and top-k/top-p masking, if used). The trainer matches the first with
-`rl_logp.logprobs(logits, tokens)` and the second with `rl_logp.logprobs(logits, tokens, temperature=T)`
-when no top-k/top-p is set (with top-k/top-p it must score the same masked logits). The `*_logits` modes
-return logits, not logprobs: nothing to patch.
+after vLLM's temperature division and top-k / top-p masking. The trainer matches the first with
+`rl_logp.logprobs(logits, tokens)` and the second with `rl_logp.logprobs(logits, tokens, temperature=T)`,
+or with top-k / top-p `rl_logp.logprobs(rl_logp.sampling_mask.apply_top_k_top_p(logits, temperature=T,
+top_k=k, top_p=p), tokens)`. The `*_logits` modes return logits, not logprobs: nothing to patch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
+from collections.abc import Iterator
 
 import torch
 
+import rl_logp
 from rl_logp.config import LogpConfig, resolve_config
-from rl_logp.dispatch import logsumexp
+from rl_logp.sampling_mask import mask_logits_
 
 from .patching import PatchSet
 
 logger = logging.getLogger("rl_logp.vllm")
 _patches = PatchSet()
-_class_patches: list[tuple[type, str, object]] = []
 _active: LogpConfig | None = None
+_active_sampling_mask = False
 _patched_names: list[str] = []
 
 V1_SAMPLER = "vllm.v1.sample.sampler"
@@ -44,9 +56,13 @@ V2_GPU_LOGPROB = "vllm.v1.worker.gpu.sample.logprob"
 V2_GPU_TEMPERATURE = "vllm.v1.worker.gpu.sample.gumbel"
 V2_CPU_LOGPROB = "vllm.v1.worker.cpu.logprob"
 V2_TOPK_NAMES = ("compute_topk_scores", "compute_topk_logprobs")
+VLLM_MODULES = ("vllm",)
+"""Where functions are replaced: every vLLM module that holds one, including modules imported later
+while the patch is active (revert restores those too)."""
 
 
-def _try_import(name: str):
+def try_import(name: str):
+    """The module, or None when this vLLM does not have it."""
     try:
         return importlib.import_module(name)
     except ImportError:
@@ -57,8 +73,9 @@ def make_compute_logprobs(config: LogpConfig):
     """Drop-in for V1 `Sampler.compute_logprobs(logits) -> fp32 [B, V]`."""
 
     def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
-        lse = logsumexp(logits, config=config)
-        return logits.to(torch.float32) - lse.unsqueeze(-1)
+        row_max, log_sum = rl_logp.log_normalizer(logits, config=config)
+        out = logits.to(torch.float32, copy=True).sub_(row_max.unsqueeze(1))
+        return out.sub_(log_sum.unsqueeze(1))
 
     return compute_logprobs
 
@@ -67,9 +84,9 @@ def make_compute_token_logprobs(config: LogpConfig):
     """Drop-in for V2 `compute_token_logprobs(logits, token_ids) -> fp32 [B, K]`."""
 
     def compute_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        lse = logsumexp(logits, config=config)
-        picked = logits.gather(1, token_ids.to(torch.int64)).to(torch.float32) + 0.0
-        return picked - lse.unsqueeze(-1)
+        row_max, log_sum = rl_logp.log_normalizer(logits, config=config)
+        picked = logits.gather(1, token_ids.to(torch.int64)).to(torch.float32)
+        return picked.sub_(row_max.unsqueeze(1)).sub_(log_sum.unsqueeze(1))
 
     return compute_token_logprobs
 
@@ -84,6 +101,7 @@ def apply_temperature_ieee(logits: torch.Tensor, expanded_idx_mapping: torch.Ten
 def make_processed_logprobs_forward(original, config: LogpConfig):
     """Wrap `TopKTopPSampler.forward_native/forward_cpu`, whose processed_logprobs mode calls
     `log_softmax` itself: run vLLM's code in processed_logits mode and score those logits here."""
+    compute_logprobs = make_compute_logprobs(config)
 
     def forward(self, logits, generators, k, p):
         if self.logprobs_mode != "processed_logprobs":
@@ -93,56 +111,118 @@ def make_processed_logprobs_forward(original, config: LogpConfig):
             sampled, processed = original(self, logits, generators, k, p)
         finally:
             self.logprobs_mode = "processed_logprobs"
-        return sampled, processed.to(torch.float32) - logsumexp(processed, config=config).unsqueeze(-1)
+        return sampled, compute_logprobs(processed)
 
     return forward
 
 
-def apply(backend: str | None = None, config: LogpConfig | dict | None = None, **options) -> list[str]:
-    """Patch the installed vLLM (idempotent). Returns the names of the functions patched."""
-    global _active
-    cfg = resolve_config(config, backend=backend, **options)
+def make_apply_top_k_top_p(config: LogpConfig):
+    """Drop-in for vLLM's `apply_top_k_top_p(logits, k, p[, has_topp_only_rows])`: the contract's kept
+    set (`rl_logp.sampling_mask`), -inf elsewhere, in place on vLLM's fp32 processed logits."""
+
+    def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None,
+                          has_topp_only_rows: bool = True) -> torch.Tensor:
+        del has_topp_only_rows  # a hint for vLLM's Triton kernel (0.3x); the contract needs none
+        if k is None and p is None:
+            return logits
+        z = logits if logits.dtype == torch.float32 else logits.to(torch.float32)
+        return mask_logits_(z, k, p, config)
+
+    return apply_top_k_top_p
+
+
+def make_flashinfer_sample(config: LogpConfig):
+    """Drop-in for vLLM's `flashinfer_sample(logits, k, p, generators)`: sample from the contract's kept
+    set with exponential noise (vLLM's native `probs / q` argmax), leaving `logits` untouched."""
+
+    def flashinfer_sample(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None,
+                          generators: dict[int, torch.Generator] | None = None) -> torch.Tensor:
+        probs = mask_logits_(logits.to(torch.float32, copy=True), k, p, config).softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for row, generator in (generators or {}).items():
+            noise[row].exponential_(generator=generator)
+        return probs.div_(noise).argmax(dim=-1).view(-1)
+
+    return flashinfer_sample
+
+
+def apply(
+    backend: str | None = None,
+    config: LogpConfig | dict | None = None,
+    *,
+    sampling_mask: bool = True,
+    **options,
+) -> list[str]:
+    """Patch the installed vLLM (idempotent) and log one line naming what was patched. Returns the names
+    of the functions patched.
+
+    `sampling_mask=False` leaves vLLM's own top-k / top-p (Triton, PyTorch or FlashInfer) in place:
+    the logprobs are still the contract's, but processed logprobs under top-k / top-p then score vLLM's
+    kept set, which the trainer cannot recompute exactly.
+    """
+    patched_names = _apply(resolve_config(config, backend=backend, **options), sampling_mask)
+    logger.warning("rl_logp: vLLM logprobs -> rl_logp backend=%s (%s)", _active.backend, ", ".join(patched_names))
+    return patched_names
+
+
+def _apply(cfg: LogpConfig, sampling_mask: bool) -> list[str]:
+    global _active, _active_sampling_mask
     revert()
     patched = []
-    v1 = _try_import(V1_SAMPLER)
+    v1 = try_import(V1_SAMPLER)
     if v1 is not None and hasattr(v1, "Sampler"):
-        _class_patches.append((v1.Sampler, "compute_logprobs", v1.Sampler.__dict__["compute_logprobs"]))
-        v1.Sampler.compute_logprobs = staticmethod(make_compute_logprobs(cfg))
+        _patches.set_attr(v1.Sampler, "compute_logprobs", staticmethod(make_compute_logprobs(cfg)))
         patched.append(f"{V1_SAMPLER}.Sampler.compute_logprobs")
-    topk = _try_import(V1_TOPK_TOPP)
+    topk = try_import(V1_TOPK_TOPP)
+    sampler_class = getattr(topk, "TopKTopPSampler", None)
     for name in ("forward_native", "forward_cpu"):
-        if topk is not None and name in getattr(topk, "TopKTopPSampler", object).__dict__:
-            original = topk.TopKTopPSampler.__dict__[name]
-            _class_patches.append((topk.TopKTopPSampler, name, original))
-            setattr(topk.TopKTopPSampler, name, make_processed_logprobs_forward(original, cfg))
+        if sampler_class is not None and name in sampler_class.__dict__:
+            original = sampler_class.__dict__[name]
+            _patches.set_attr(sampler_class, name, make_processed_logprobs_forward(original, cfg))
             patched.append(f"{V1_TOPK_TOPP}.TopKTopPSampler.{name}")
     token_logprobs = make_compute_token_logprobs(cfg)
-    for module_name, attr, replacement in (
+    targets = [
         (V2_GPU_LOGPROB, "compute_token_logprobs", token_logprobs),
         (V2_GPU_TEMPERATURE, "apply_temperature", apply_temperature_ieee),
         (V2_CPU_LOGPROB, "compute_token_logprobs", token_logprobs),
-    ):
-        module = _try_import(module_name)
+    ]
+    if sampling_mask:
+        targets += [
+            (V1_TOPK_TOPP, "apply_top_k_top_p", make_apply_top_k_top_p(cfg)),
+            (V1_TOPK_TOPP, "flashinfer_sample", make_flashinfer_sample(cfg)),
+        ]
+    for module_name, attr, replacement in targets:
+        module = try_import(module_name)
         if module is not None and hasattr(module, attr):
-            _patches.replace_everywhere(getattr(module, attr), replacement)
+            _patches.replace_in_modules(getattr(module, attr), replacement, VLLM_MODULES)
             patched.append(f"{module_name}.{attr}")
     if not patched:
         raise ImportError("rl_logp: no vLLM logprob function found to patch (is vLLM installed?)")
-    _active = cfg
+    _active, _active_sampling_mask = cfg, sampling_mask
     _patched_names[:] = patched
-    logger.warning("rl_logp: vLLM logprobs -> rl_logp backend=%s (%s)", cfg.backend, ", ".join(patched))
     return patched
 
 
 def revert() -> None:
     """Restore vLLM's originals."""
-    global _active
-    for cls, name, original in reversed(_class_patches):
-        setattr(cls, name, original)
-    _class_patches.clear()
+    global _active, _active_sampling_mask
     _patches.revert()
     _patched_names.clear()
-    _active = None
+    _active, _active_sampling_mask = None, False
+
+
+@contextlib.contextmanager
+def patched(backend: str | None = None, config: LogpConfig | dict | None = None, *,
+            sampling_mask: bool = True, **options) -> Iterator[list[str]]:
+    """The patch for the duration of a `with` block, without logging; afterwards vLLM is as it was
+    (patched with the previous config, or not at all)."""
+    previous = (_active, _active_sampling_mask)
+    try:
+        yield _apply(resolve_config(config, backend=backend, **options), sampling_mask)
+    finally:
+        revert()
+        if previous[0] is not None:
+            _apply(*previous)
 
 
 def active_config() -> LogpConfig | None:
@@ -153,73 +233,3 @@ def active_config() -> LogpConfig | None:
 def active_patches() -> list[str]:
     """The names of the vLLM functions the current patch replaced (empty when not patched)."""
     return list(_patched_names)
-
-
-class VllmRolloutProvider:
-    """The rollout side of `rl_logp.check`: scores given tokens through the installed vLLM's sampler code.
-
-    V1 runner (vLLM <= 0.2x): `Sampler.apply_temperature` (vLLM's fp32 in-place division, processed
-    mode), then `Sampler.compute_logprobs` (patched) and `Sampler.gather_logprobs` (vLLM's gather, top-k,
-    ranks). V2 runner (vLLM >= 0.3x, no V1 sampler): the worker's temperature step (the CPU worker's
-    `CPUSamplingStates.apply_temperature`, the GPU worker's `apply_temperature`, patched), then its
-    `compute_topk_scores` (patched lse). Tokens outside [0, V) are scored as 0, the rl-logp convention
-    (vLLM itself never sees them).
-    """
-
-    def __init__(self, backend: str = "auto") -> None:
-        apply(backend=backend)
-        self._v1 = _try_import(V1_SAMPLER)
-        version = importlib.import_module("vllm").__version__
-        runner = "V1 Sampler" if self._v1 is not None else "V2 worker compute_topk_scores"
-        self.description = f"vLLM {runner} (vllm {version}, patched)"
-
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float | None) -> torch.Tensor:
-        vocab = logits.shape[1]
-        in_range = (labels >= 0) & (labels < vocab)
-        tokens = torch.where(in_range, labels, torch.zeros_like(labels)).to(torch.int64)
-        x = logits.to(torch.float32)
-        if self._v1 is not None:
-            picked = self._score_v1(x, tokens, temperature)
-        else:
-            picked = self._score_v2(x, tokens, temperature)
-        return torch.where(in_range, picked, torch.zeros_like(picked))
-
-    def _score_v1(self, x: torch.Tensor, tokens: torch.Tensor, temperature: float | None) -> torch.Tensor:
-        import torch._dynamo
-
-        sampler = self._v1.Sampler
-        if temperature is not None:
-            x = sampler.apply_temperature(x, _temperatures(x, temperature), True)
-        with torch._dynamo.config.patch(disable=True):
-            return sampler.gather_logprobs(sampler.compute_logprobs(x), 1, token_ids=tokens).logprobs[:, 0]
-
-    def _score_v2(self, x: torch.Tensor, tokens: torch.Tensor, temperature: float | None) -> torch.Tensor:
-        rows = torch.arange(x.shape[0], device=x.device)
-        if x.is_cuda:
-            module = importlib.import_module(V2_GPU_LOGPROB)
-            if temperature is not None:
-                importlib.import_module(V2_GPU_TEMPERATURE).apply_temperature(x, rows, _temperatures(x, temperature))
-        else:
-            module = importlib.import_module(V2_CPU_LOGPROB)
-            if temperature is not None:
-                _cpu_worker_temperature(x, temperature)
-        topk = next(getattr(module, name) for name in V2_TOPK_NAMES if hasattr(module, name))
-        return topk(x, 0, tokens).logprobs[:, 0]
-
-
-def _temperatures(x: torch.Tensor, temperature: float) -> torch.Tensor:
-    return torch.full((x.shape[0],), float(temperature), dtype=torch.float32, device=x.device)
-
-
-def _cpu_worker_temperature(x: torch.Tensor, temperature: float) -> None:
-    """The CPU worker's own temperature step, fed through its request state as the engine does."""
-    import numpy as np
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.worker.cpu.sampler import CPUSamplingStates
-
-    batch = x.shape[0]
-    states = CPUSamplingStates(batch, x.shape[1], x.device)
-    for row in range(batch):
-        states.add_request(row, SamplingParams(temperature=temperature, logprobs=0))
-    states.apply_temperature(x, torch.arange(batch), np.arange(batch))
-

@@ -2,7 +2,8 @@
 
 scripts/test.sh runs this file twice: against vLLM 0.24.0 (installed; the version verl 0.9.1 pins: V1
 sampler and V2 GPU worker) and against the latest release's sources (scripts/vllm_latest.sh: no V1
-sampler; V2 GPU and CPU workers). Each test needs one runner layout and skips, naming it, on the other.
+sampler; V2 GPU and CPU workers). vLLM is imported plainly: a broken install fails the file. Each test
+needs one runner layout and skips, naming it, on the other.
 """
 
 import importlib
@@ -11,13 +12,14 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
+import vllm
 from helpers import bits, mismatches
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed (see scripts/setup.sh)")
-
-from rl_logp.integrations import vllm as adapter  # noqa: E402
-
-import rl_logp  # noqa: E402
+import rl_logp
+from rl_logp.check.cases import Sampling
+from rl_logp.check.rollout import VllmRollout
+from rl_logp.integrations import vllm as adapter
+from rl_logp.sampling_mask import apply_top_k_top_p
 
 
 def _has(module: str) -> bool:
@@ -47,7 +49,8 @@ def patched():
     adapter.revert()
 
 
-def _v1_metadata(batch: int, temperature: float, logprobs: int, device: str = "cpu"):
+def _v1_metadata(batch: int, temperature: float, logprobs: int, device: str = "cpu",
+                 top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None):
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
 
@@ -55,7 +58,7 @@ def _v1_metadata(batch: int, temperature: float, logprobs: int, device: str = "c
         return torch.full((batch,), value, device=device)
 
     return SamplingMetadata(
-        temperature=full(temperature), all_greedy=False, all_random=True, top_p=None, top_k=None,
+        temperature=full(temperature), all_greedy=False, all_random=True, top_p=top_p, top_k=top_k,
         generators={}, max_num_logprobs=logprobs, no_penalties=True, prompt_token_ids=None,
         frequency_penalties=full(0.0), presence_penalties=full(0.0), repetition_penalties=full(1.0),
         output_token_ids=[[] for _ in range(batch)], allowed_token_ids_mask=None, bad_words_token_ids={},
@@ -85,6 +88,100 @@ def test_v1_real_sampler_forward_returns_rl_logp_bits(patched, mode, dtype, temp
         assert out.logprobs_tensors.logprobs.shape == (batch, 4)
         assert torch.equal(out.logprobs_tensors.logprob_token_ids[:, 0].long(), tokens)
     assert checked == 64 * 65 // 2 and differing == 0
+
+
+def _top_k_top_p(batch: int, which: str, gen: torch.Generator, device: str = "cpu"):
+    """vLLM's per-row sampling tensors: top_k int32 in [1, 200), top_p fp32 in [0.05, 0.95)."""
+    k = torch.randint(1, 200, (batch,), generator=gen, dtype=torch.int32).to(device) if "k" in which else None
+    p = (torch.rand(batch, generator=gen) * 0.9 + 0.05).to(device) if "p" in which else None
+    return k, p
+
+
+@needs_v1
+@pytest.mark.parametrize("which", ["top_k", "top_p", "top_k+top_p"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_v1_sampler_processed_logprobs_under_top_k_top_p_equal_the_trainer(patched, which, dtype, temperature):
+    """V1 `Sampler.forward` in processed_logprobs mode with per-row top-k / top-p: the sampled token lies in
+    the contract's kept set, and its logprob (and the top-3's) are the bits the trainer gets from
+    `rl_logp.logprobs(apply_top_k_top_p(logits, temperature=T, top_k=k, top_p=p), tokens)`."""
+    from vllm.v1.sample.sampler import Sampler
+
+    sampler = Sampler(logprobs_mode="processed_logprobs")
+    vocab, differing, checked, cut = 1031, 0, 0, 0
+    for batch in range(1, 65):
+        gen = torch.Generator().manual_seed(batch)
+        logits = (torch.randn(batch, vocab, generator=gen) * 3).to(dtype)
+        k, p = _top_k_top_p(batch, which, gen)
+        out = sampler.forward(logits.clone(), _v1_metadata(batch, temperature, 3, top_k=k, top_p=p))
+        masked = apply_top_k_top_p(logits, temperature=temperature, top_k=k, top_p=p)
+        tokens = out.logprobs_tensors.logprob_token_ids.long()
+        assert torch.equal(tokens[:, 0], out.sampled_token_ids[:, 0].long())
+        assert torch.isfinite(masked.gather(1, tokens[:, :1])).all()
+        for col in range(4):
+            want = rl_logp.logprobs(masked, tokens[:, col], backend="chunked")
+            differing += mismatches(out.logprobs_tensors.logprobs[:, col], want)
+        checked += batch
+        cut += int(torch.isneginf(masked).any(dim=1).sum())
+    assert checked == 64 * 65 // 2 and differing == 0 and cut == checked
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_patched_apply_top_k_top_p_is_the_contract_for_every_caller(patched, dtype):
+    """The function every vLLM sampler calls (V1, its rejection sampler, the V2 GPU and CPU workers),
+    called as they call it on processed fp32 logits, masks exactly the contract's set, in place."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(37, 1500, generator=gen) * 3).to(dtype)
+    k, p = _top_k_top_p(37, "top_k+top_p", gen)
+    for which in ("top_k", "top_p", "top_k+top_p"):
+        kk, pp = (k if "k" in which else None), (p if "p" in which else None)
+        z = logits.float() / torch.tensor(0.7)
+        out = topk_topp_sampler.apply_top_k_top_p(z, kk, pp, has_topp_only_rows="k" not in which)
+        assert out.data_ptr() == z.data_ptr()
+        assert mismatches(out, apply_top_k_top_p(logits, temperature=0.7, top_k=kk, top_p=pp)) == 0
+
+
+def test_vllm_own_top_p_is_the_contract_rule_up_to_ties():
+    """The control for the patch: vLLM's own PyTorch top-k/top-p (unpatched) keeps the same set as the
+    contract on continuous logits, but on bf16 logits (many ties) it splits tied tokens at the top-p
+    boundary by sort order, where the contract keeps the whole tie group."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    differing = {"float32": 0, "bfloat16": 0}
+    for batch in range(1, 65):
+        gen = torch.Generator().manual_seed(batch)
+        for name in differing:
+            x = (torch.randn(batch, 1031, generator=gen) * 3).to(getattr(torch, name)).float()
+            k, p = _top_k_top_p(batch, "top_k+top_p" if batch % 2 else "top_p", gen)
+            ours = ~torch.isneginf(apply_top_k_top_p(x, top_k=k, top_p=p))
+            theirs = ~torch.isneginf(apply_top_k_top_p_pytorch(x.clone(), k, p))
+            for row in torch.nonzero((ours != theirs).any(dim=1)).flatten():
+                extra = ours[row] & ~theirs[row]
+                assert not (theirs[row] & ~ours[row]).any()  # vLLM never keeps a token the contract drops
+                assert (x[row][extra] == x[row][theirs[row]].min()).all()  # the extra ones tie vLLM's last
+                differing[name] += 1
+    print(f"vllm {vllm.__version__} own top-k/top-p vs the contract, rows whose kept set differs: {differing}")
+    assert differing["float32"] == 0 and differing["bfloat16"] > 0
+
+
+def test_flashinfer_sample_replacement_draws_from_the_kept_set(patched):
+    """FlashInfer's sampler (V1 forward_cuda, V2 GPU worker) is replaced: tokens come from the contract's
+    kept set, the logits are left as they were, and a request's own generator makes its draw repeatable."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(50, 900, generator=gen) * 3
+    k, p = _top_k_top_p(50, "top_k+top_p", gen)
+    before = logits.clone()
+    draws = [topk_topp_sampler.flashinfer_sample(logits, k, p, {3: torch.Generator().manual_seed(7)})
+             for _ in range(2)]
+    assert torch.equal(logits, before)
+    kept = torch.isfinite(apply_top_k_top_p(logits, top_k=k, top_p=p))
+    for tokens in draws:
+        assert tokens.shape == (50,) and kept.gather(1, tokens.unsqueeze(1)).all()
+    assert draws[0][3] == draws[1][3]
 
 
 def _cpu_worker_processed(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -142,6 +239,39 @@ def test_v2_cpu_worker_stock_logprobs_differ_from_rl_logp():
         differing += mismatches(out.logprobs[:, 0], rl_logp.logprobs(logits, sampled, backend="chunked"))
     print(f"vllm {vllm.__version__} CPU worker, unpatched: {differing}/2080 sampled-token rows differ")
     assert differing > 0
+
+
+@needs_cpu_worker
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_v2_cpu_worker_processed_scores_under_top_k_top_p_equal_the_trainer(patched, dtype):
+    """The CPU worker's own request state (SamplingParams with T, top-k, top-p per request) masks with the
+    patched `apply_top_k_top_p`; `compute_topk_scores` on the result equals the trainer's masked logp."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.cpu.logprob import compute_topk_scores
+    from vllm.v1.worker.cpu.sampler import CPUSamplingStates
+
+    vocab, differing, checked = 1031, 0, 0
+    for batch in range(1, 65, 3):
+        gen = torch.Generator().manual_seed(batch)
+        logits = (torch.randn(batch, vocab, generator=gen) * 3).to(dtype)
+        k, p = _top_k_top_p(batch, "top_k+top_p", gen)
+        t = torch.tensor([0.7, 1.0, 1.3])[torch.arange(batch) % 3]
+        states = CPUSamplingStates(batch, vocab, logits.device)
+        for row in range(batch):
+            states.add_request(row, SamplingParams(temperature=float(t[row]), top_k=int(k[row]),
+                                                   top_p=float(p[row]), logprobs=3))
+        rows, rows_np = torch.arange(batch), np.arange(batch)
+        x = torch.empty_like(logits, dtype=torch.float32).copy_(logits)
+        states.apply_temperature(x, rows, rows_np)
+        x = states.apply_top_k_top_p(x, rows, rows_np)
+        masked = apply_top_k_top_p(logits, temperature=t, top_k=k, top_p=p)
+        sampled = torch.multinomial(masked.softmax(dim=-1), 1, generator=gen).squeeze(1)
+        out = compute_topk_scores(x, 3, sampled)
+        for col in range(4):
+            want = rl_logp.logprobs(masked, out.logprob_token_ids[:, col], backend="chunked")
+            differing += mismatches(out.logprobs[:, col], want)
+        checked += batch
+    assert checked == sum(range(1, 65, 3)) and differing == 0
 
 
 @needs_cpu_worker
@@ -205,27 +335,65 @@ def test_v2_gpu_apply_temperature_patch_is_ieee_division_and_keeps_0_and_1(patch
     assert torch.equal(x[1:3], logits[1:3])
 
 
-def test_apply_patches_every_runner_this_vllm_has_and_revert_restores_it():
+@pytest.mark.parametrize("sampling_mask", [True, False])
+def test_apply_patches_every_runner_this_vllm_has_and_revert_restores_it(sampling_mask):
     from importlib import import_module
     from importlib.metadata import entry_points
 
     targets = [(adapter.V2_GPU_LOGPROB, "compute_token_logprobs"), (adapter.V2_GPU_TEMPERATURE, "apply_temperature")]
     if _has(adapter.V2_CPU_LOGPROB):
         targets.append((adapter.V2_CPU_LOGPROB, "compute_token_logprobs"))
-    originals = {(m, a): getattr(import_module(m), a) for m, a in targets}
+    sampling = [(adapter.V1_TOPK_TOPP, "apply_top_k_top_p"), (adapter.V1_TOPK_TOPP, "flashinfer_sample")]
+    originals = {(m, a): getattr(import_module(m), a) for m, a in targets + sampling}
     v1 = import_module(adapter.V1_SAMPLER) if _has(adapter.V1_SAMPLER) else None
     v1_original = v1.Sampler.__dict__["compute_logprobs"] if v1 else None
-    names = adapter.apply(backend="chunked")
+    names = adapter.apply(backend="chunked", sampling_mask=sampling_mask)
     for (m, a), original in originals.items():
-        assert f"{m}.{a}" in names and getattr(import_module(m), a) is not original
+        replaced = (m, a) in targets or sampling_mask
+        assert (f"{m}.{a}" in names) == replaced and (getattr(import_module(m), a) is not original) == replaced
     assert (f"{adapter.V1_SAMPLER}.Sampler.compute_logprobs" in names) == (v1 is not None)
+    assert adapter.active_patches() == names
     adapter.revert()
     for (m, a), original in originals.items():
         assert getattr(import_module(m), a) is original
     if v1 is not None:
         assert v1.Sampler.__dict__["compute_logprobs"] is v1_original
+    assert adapter.active_config() is None and adapter.active_patches() == []
     plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert plugins.get("rl_logp") == "rl_logp.integrations.vllm_hook:load"
+
+
+def test_patched_scope_restores_what_was_there():
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    original = topk_topp_sampler.apply_top_k_top_p
+    with adapter.patched(backend="chunked"):
+        assert topk_topp_sampler.apply_top_k_top_p is not original
+    assert topk_topp_sampler.apply_top_k_top_p is original and adapter.active_config() is None
+    adapter.apply(backend="chunked", sampling_mask=False)
+    try:
+        with adapter.patched(backend="auto"):
+            assert adapter.active_config().backend == "auto"
+        assert adapter.active_config().backend == "chunked" and topk_topp_sampler.apply_top_k_top_p is original
+    finally:
+        adapter.revert()
+
+
+@pytest.mark.parametrize("value,masked", [("0", False), ("off", False), ("1", True), (None, True)])
+def test_hook_reads_the_sampling_mask_switch(monkeypatch, value, masked):
+    from rl_logp.integrations import vllm_hook
+
+    monkeypatch.setenv("RL_LOGP_BACKEND", "chunked")
+    if value is None:
+        monkeypatch.delenv("RL_LOGP_VLLM_SAMPLING_MASK", raising=False)
+    else:
+        monkeypatch.setenv("RL_LOGP_VLLM_SAMPLING_MASK", value)
+    vllm_hook.load()
+    try:
+        assert adapter.active_config().backend == "chunked"
+        assert (f"{adapter.V1_TOPK_TOPP}.apply_top_k_top_p" in adapter.active_patches()) == masked
+    finally:
+        adapter.revert()
 
 
 @pytest.mark.parametrize("backend", ["chunked", ""])
@@ -248,42 +416,53 @@ def test_vllm_plugin_loader_applies_the_patch_from_the_environment(backend):
     assert f"ACTIVE {backend or None}" in done.stdout
 
 
-def test_rollout_provider_runs_vllm_code_and_matches_the_trainer():
-    provider = adapter.VllmRolloutProvider(backend="chunked")
-    try:
-        logits = torch.randn(33, 500).to(torch.bfloat16)
-        labels = torch.randint(0, 500, (33,))
-        labels[0] = -100
-        for temperature in (None, 0.7):
-            got = provider(logits, labels, temperature)
-            want = rl_logp.logprobs(logits, labels, backend="chunked", temperature=temperature)
-            assert torch.equal(bits(got), bits(want))
-        runner = "V1 Sampler" if _has(adapter.V1_SAMPLER) else "V2 worker"
-        assert runner in provider.description and vllm.__version__ in provider.description
-    finally:
-        adapter.revert()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_rollout_provider_runs_vllm_code_on_a_copy_and_matches_the_trainer(dtype):
+    """The check's rollout side: vLLM's sampler steps (which divide and mask in place) run on the
+    provider's own copy, so the caller's logits keep their bits (fp32 input included: `.to(float32)` would
+    alias it); the patch lasts for the call only; every sampling setting matches the trainer."""
+    provider = VllmRollout(backend="chunked")
+    gen = torch.Generator().manual_seed(8)
+    logits = (torch.randn(33, 500, generator=gen) * 3).to(dtype)
+    before = logits.clone()
+    top = Sampling(temperature=0.7, top_k=40, top_p=0.9)
+    masked = apply_top_k_top_p(logits, temperature=0.7, top_k=40, top_p=0.9)
+    sampled = torch.multinomial(masked.softmax(dim=-1), 1, generator=gen).squeeze(1)
+    random = torch.randint(0, 500, (33,), generator=gen)
+    random[0], sampled[1] = -100, 600
+    for sampling, labels in ((Sampling(), random), (Sampling(temperature=0.7), random), (top, sampled)):
+        got = provider(logits, labels, sampling)
+        if sampling.masks:
+            want = rl_logp.logprobs(masked, labels, backend="chunked")
+        else:
+            want = rl_logp.logprobs(logits, labels, backend="chunked", temperature=sampling.temperature)
+        assert torch.equal(bits(got), bits(want))
+        assert torch.equal(bits(logits), bits(before))
+        assert adapter.active_config() is None
+    assert got[1] == 0 and torch.isfinite(got).all()
+    runner = "V1 Sampler" if _has(adapter.V1_SAMPLER) else "V2 worker"
+    assert runner in provider.description and vllm.__version__ in provider.description
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_verl_trainer_logp_equals_vllm_rollout_logp(temperature):
     """Both adapters on: verl 0.9.1's FSDP-engine temperature step and logprobs_from_logits (the trainer)
     and this vLLM's sampler code in processed_logprobs mode (the rollout) give the same bits."""
-    engine = pytest.importorskip("verl.workers.engine.fsdp.transformer_impl", reason="verl is not installed")
+    from verl.workers.engine.fsdp import transformer_impl as engine
+
     from rl_logp.integrations import verl as verl_adapter
 
     gen = torch.Generator().manual_seed(11)
     logits = (torch.randn(64, 1031, generator=gen) * 3).to(torch.bfloat16)
     tokens = torch.randint(0, 1031, (64,), generator=gen)
-    rollout = adapter.VllmRolloutProvider(backend="chunked")
+    rolled = VllmRollout(backend="chunked")(logits, tokens, Sampling(temperature=temperature))
     verl_adapter.apply(backend="chunked")
     try:
         z = engine._scale_logits_by_temperature(logits, torch.full((64, 1), temperature),
                                                 is_unit_temperature=temperature == 1.0)
         trainer = engine.logprobs_from_logits(logits=z, labels=tokens, inplace_backward=True)
-        rolled = rollout(logits, tokens, temperature)
     finally:
         verl_adapter.revert()
-        adapter.revert()
     assert torch.equal(bits(trainer), bits(rolled))
 
 
@@ -363,3 +542,55 @@ def test_cuda_v1_sampler_patched_equal_fused(mode, monkeypatch):
         assert differing == 0
     finally:
         adapter.revert()
+
+
+@needs_cuda
+@needs_v1
+def test_cuda_v1_sampler_top_k_top_p_processed_equal_fused(monkeypatch):
+    """On the GPU vLLM would mask with its Triton pivot kernel (batch >= 8) or a sort (smaller batches):
+    patched, every batch samples from the contract's kept set and reports the trainer's bits."""
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    adapter.apply(backend="fused")
+    try:
+        from vllm.v1.sample.sampler import Sampler
+
+        sampler = Sampler(logprobs_mode="processed_logprobs")
+        differing = 0
+        for batch in (1, 7, 64, 129):
+            gen = torch.Generator().manual_seed(batch)
+            logits = (torch.randn(batch, 151936, generator=gen) * 3).to(torch.bfloat16).cuda()
+            k, p = _top_k_top_p(batch, "top_k+top_p", gen, device="cuda")
+            out = sampler.forward(logits.clone(), _v1_metadata(batch, 0.7, 2, device="cuda", top_k=k, top_p=p))
+            masked = apply_top_k_top_p(logits, temperature=0.7, top_k=k, top_p=p)
+            tokens = out.sampled_token_ids[:, 0].long()
+            assert torch.isfinite(masked.gather(1, tokens.unsqueeze(1))).all()
+            differing += mismatches(out.logprobs_tensors.logprobs[:, 0], rl_logp.logprobs(masked, tokens, backend="fused"))
+        assert differing == 0
+    finally:
+        adapter.revert()
+
+
+@needs_cuda
+def test_cuda_v2_top_k_top_p_processed_equal_fused():
+    """The V2 GPU worker's processed path: its fp32 copy, `apply_temperature` and `apply_top_k_top_p`
+    (both patched), then `compute_topk_scores`/`compute_topk_logprobs`: the trainer's masked bits."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+    from vllm.v1.worker.gpu.sample import gumbel, logprob
+
+    topk = next(getattr(logprob, name) for name in adapter.V2_TOPK_NAMES if hasattr(logprob, name))
+    batch = 129
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(batch, 151936, generator=gen) * 3).to(torch.bfloat16).cuda()
+    k, p = _top_k_top_p(batch, "top_k+top_p", gen, device="cuda")
+    temps = torch.full((batch,), 0.7, device="cuda")
+    masked = apply_top_k_top_p(logits, temperature=temps, top_k=k, top_p=p)
+    sampled = torch.multinomial(masked.softmax(dim=-1), 1).squeeze(1)
+    with adapter.patched(backend="fused"):
+        x = torch.empty_like(logits, dtype=torch.float32).copy_(logits)
+        gumbel.apply_temperature(x, torch.arange(batch, device="cuda"), temps)
+        x = topk_topp_sampler.apply_top_k_top_p(x, k, p)
+        got = topk(x, 3, sampled)
+    assert mismatches(x, masked) == 0
+    for col in range(4):
+        want = rl_logp.logprobs(masked, got.logprob_token_ids[:, col].long(), backend="fused")
+        assert mismatches(got.logprobs[:, col], want) == 0

@@ -1,13 +1,28 @@
-"""The cases that broke earlier providers, each a transformation of one frozen batch of logits."""
+"""The cases that broke earlier providers, each a transformation of one frozen batch of logits, and the
+sampling parameters (temperature, top-k, top-p) a case is scored under."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 
 from rl_logp.config import MIN_CHUNK_BYTES
+from rl_logp.sampling_mask import apply_top_k_top_p
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """What the rollout sampled with. The trainer scores `fp32(x) / T`, or with top-k / top-p the
+    contract's kept set of it (`rl_logp.sampling_mask`); vLLM applies them itself."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+
+    @property
+    def masks(self) -> bool:
+        return self.top_k is not None or self.top_p is not None
 
 
 @dataclasses.dataclass
@@ -19,6 +34,7 @@ class Case:
     labels: torch.Tensor
     source_rows: torch.Tensor
     options: dict = dataclasses.field(default_factory=dict)
+    sampling: Sampling = Sampling()
 
 
 def frozen_batch(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,9 +80,15 @@ def build_cases(logits: torch.Tensor, labels: torch.Tensor, seed: int) -> list[C
     out_of_range[::5] = vocab + 3
     cases.append(Case("labels out of range", logits, out_of_range, every))
     cases.append(Case("small chunks", logits, labels, every, {"chunk_bytes": max(MIN_CHUNK_BYTES, 12 * (vocab // 3))}))
-    cases.append(Case("temperature 0.7", logits, labels, every, {"temperature": 0.7}))
+    cases.append(Case("temperature 0.7", logits, labels, every, sampling=Sampling(temperature=0.7)))
+    top = Sampling(temperature=0.7, top_k=max(2, vocab // 10), top_p=0.9)
+    cases.append(Case("top-k + top-p, T 0.7", logits, sampled_labels(logits, top, gen), every, sampling=top))
     cases.append(Case("fp32 logits", logits.float(), labels, every))
     return cases
 
 
-Scorer = Callable[[Case], torch.Tensor]
+def sampled_labels(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> torch.Tensor:
+    """A token per row drawn from the kept set (as a rollout would), so the case scores finite logprobs."""
+    kept = apply_top_k_top_p(logits, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    return torch.multinomial(kept.softmax(dim=-1), 1, generator=gen).squeeze(1)
+

