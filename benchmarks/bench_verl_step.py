@@ -1,0 +1,331 @@
+"""verl 0.9.1's logits step, unpatched vs rl-logp's verl adapter, side by side in one run.
+
+The step is verl's own `FSDPEngineWithLMHead.prepare_model_outputs` (remove-padding branch, as verl's
+actor runs it): its temperature step `_scale_logits_by_temperature`, `compute_entropy_from_logits`
+(`verl_F.entropy_from_logits` under `torch.compile(dynamic=True)`, bound on the engine as
+`FSDPEngine.__init__` does) and `logprobs_from_logits` (flash-attn's Triton cross entropy when
+`flash_attn.ops.triton.cross_entropy` imports, as on verl's GPUs; else verl's torch path), on a stand-in
+engine object that holds the attributes the method reads. Patched = the same call after
+`rl_logp.integrations.verl.apply()` (temperature handed to rl-logp, logp and entropy from one read,
+in-place backward where safe). Logits come from a matmul like the lm_head (hidden 1024, non-leaf bf16).
+
+For N in {8192, 32768} x V = 151936, T in {1.0, 0.7}, entropy off/on, it records forward+backward time
+(logits -> logp [+ entropy] -> d loss / d logits; CUDA events, warm-up, median, two rotated input sets)
+and peak memory above the live inputs (`torch.cuda.max_memory_allocated`). Then the first call
+(compile included) of compiled entropy/logp at 512, 8192, 32768 rows and dynamo's graph count: verl's
+compiled torch entropy beside `torch.compile(rl_logp.entropy)` and `torch.compile(rl_logp.logprobs)`,
+with the compiled-vs-eager bit mismatches. Then Megatron's vocab-parallel logp/entropy at TP=1 when
+megatron-core imports (else a row saying why not).
+
+Where the GPU image lacks a module verl imports but this step never calls (`ray`, `datasets`, `PIL`,
+`pandas`), a stub module stands in; the JSON lists them (`stubbed_modules`). Prints a table last, writes
+JSON (--out). `--smoke`: tiny shapes on the CPU (CI).
+
+    python benchmarks/bench_verl_step.py --out benchmarks/results/h200_verl_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.machinery
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import types
+from collections.abc import Callable
+
+import torch
+
+STUBBABLE = ("ray", "datasets", "PIL", "pandas")
+
+
+class _StubClass(type):
+    def __getattr__(cls, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StubClass(name, (), {})
+
+    def __call__(cls, *args, **kwargs):
+        return cls
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StubClass(name, (), {})
+
+
+def stub_missing_modules() -> list[str]:
+    """Stand-ins for modules verl imports at module level but this step never calls, where absent."""
+    stubbed = []
+    for name in STUBBABLE:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            module = _StubModule(name)
+            module.__path__ = []
+            module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            sys.modules[name] = module
+            stubbed.append(name)
+    return stubbed
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class StepBench:
+    """Fresh lm_head logits per call, timed from the logits to d loss / d logits."""
+
+    def __init__(self, rows: int, vocab: int, hidden: int, device: torch.device, seq: int) -> None:
+        gen = torch.Generator(device="cpu").manual_seed(rows)
+        self.device = device
+        self.weight = (torch.randn(hidden, vocab, generator=gen) / hidden**0.5).to(torch.bfloat16).to(device)
+        self.hiddens = [(torch.randn(rows, hidden, generator=gen) * 2).to(torch.bfloat16).to(device) for _ in range(2)]
+        lengths = [seq] * (rows // seq) + ([rows % seq] if rows % seq else [])
+        ids = torch.randint(0, vocab, (rows,), generator=gen).to(device)
+        self.input_ids = torch.nested.nested_tensor_from_jagged(
+            ids, torch.tensor([0, *lengths], device=device).cumsum(0)
+        )
+        self.labels = torch.roll(ids, shifts=-1)
+        self.rows = rows
+
+    def fsdp_call(self, engine, temperature: float, entropy: bool) -> Callable[[torch.Tensor], dict]:
+        """verl's FSDP `prepare_model_outputs` (remove-padding) on [1, N, V] logits."""
+        from verl.utils import tensordict_utils as tu
+
+        micro_batch = tu.get_tensordict(tensor_dict={"input_ids": self.input_ids},
+                                        non_tensor_dict={"use_remove_padding": True, "calculate_entropy": entropy})
+        output_args = {"input_ids_rmpad_rolled": self.labels, "pad_size": 0,
+                       "temperature_rmpad": torch.full((self.rows,), temperature, device=self.device),
+                       "temperature_is_one": temperature == 1.0}
+
+        def call(logits: torch.Tensor) -> dict:
+            out = engine.prepare_model_outputs(types.SimpleNamespace(logits=logits), output_args, micro_batch, None)
+            return {k: v.values() for k, v in out.items()}
+
+        return call
+
+    def megatron_call(self, engine, temperature: float, entropy: bool) -> Callable[[torch.Tensor], dict]:
+        """verl's Megatron `_lm_head_logits_processor` (TP=1) on [1, N, V] logits."""
+
+        def call(logits: torch.Tensor) -> dict:
+            return engine._lm_head_logits_processor(
+                logits, self.labels.unsqueeze(0), torch.full((1, self.rows), temperature, device=self.device),
+                calculate_sum_pi_squared=False, calculate_entropy=entropy, distillation_use_topk=False,
+                distillation_only=False, logits_processor_func=None, batch=None, data_format="thd",
+            )
+
+        return call
+
+    def measure(self, call: Callable[[torch.Tensor], dict], i: int) -> tuple[float, int]:
+        """One call: (forward+backward ms, peak bytes above the inputs and the logits)."""
+        logits = (self.hiddens[i % 2].requires_grad_(True) @ self.weight).unsqueeze(0)
+        _sync(self.device)
+        base = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        out = call(logits)
+        loss = out["log_probs"].sum() + (0.01 * out["entropy"].sum() if "entropy" in out else 0.0)
+        torch.autograd.grad(loss, logits)
+        if self.device.type == "cuda":
+            stop.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(stop), torch.cuda.max_memory_allocated() - base
+        return (time.perf_counter() - t0) * 1e3, 0
+
+    def run(self, call: Callable[[torch.Tensor], dict], warmup: int, reps: int) -> dict:
+        times, peaks = [], []
+        for i in range(warmup + reps):
+            ms, peak = self.measure(call, i)
+            if i >= warmup:
+                times.append(ms)
+                peaks.append(peak)
+        return {"fwd_bwd_ms": statistics.median(times), "peak_extra_gib": max(peaks) / 2**30}
+
+
+def make_engine(fsdp_engine, verl_f):
+    """What `FSDPEngine.__init__` leaves for prepare_model_outputs (transformer_impl.py:178-187)."""
+    engine = object.__new__(fsdp_engine.FSDPEngineWithLMHead)
+    engine.engine_config = types.SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=False,
+                                                 entropy_from_logits_chunk_size=2048)
+    engine.compute_entropy_from_logits = torch.compile(verl_f.entropy_from_logits, dynamic=True)
+    engine.model_config = types.SimpleNamespace(use_fused_kernels=False)
+    engine.use_ulysses_sp = False
+    return engine
+
+
+def side_by_side(args, device, suite: str, make_call: Callable) -> list[dict]:
+    """Every (N, T, entropy) cell, unpatched then patched (`apply()` for that row only)."""
+    from rl_logp.integrations import verl as adapter
+
+    results = []
+    for rows in args.rows:
+        bench = StepBench(rows, args.vocab, args.hidden, device, args.seq)
+        for temperature in (1.0, 0.7):
+            for entropy in (False, True):
+                for mode in ("unpatched", "patched"):
+                    row = {"suite": suite, "mode": mode, "rows": rows, "vocab": args.vocab,
+                           "temperature": temperature, "entropy": entropy}
+                    try:
+                        if mode == "patched":
+                            adapter.apply(backend=args.backend)
+                        row.update(bench.run(make_call(bench, mode, temperature, entropy), args.warmup, args.reps))
+                    except Exception as err:  # a cell that cannot run says why; the others still run
+                        row["error"] = f"{type(err).__name__}: {err}"
+                    finally:
+                        adapter.revert()
+                    results.append(row)
+                    print(json.dumps(row), flush=True)
+        del bench
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def run_fsdp(args, device) -> list[dict]:
+    import verl.utils.torch_functional as verl_f
+    import verl.workers.engine.fsdp.transformer_impl as fsdp_engine
+
+    engines = {mode: make_engine(fsdp_engine, verl_f) for mode in ("unpatched", "patched")}
+    return side_by_side(args, device, "fsdp step",
+                        lambda bench, mode, t, entropy: bench.fsdp_call(engines[mode], t, entropy))
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def run_compile(args, device) -> list[dict]:
+    """First call (compile included) of each compiled function at growing row counts, and graph counts."""
+    import verl.utils.torch_functional as verl_f
+
+    import rl_logp
+
+    def rl_entropy(x):
+        return rl_logp.entropy(x, backend=args.backend)
+
+    def rl_logprobs(x):
+        return rl_logp.logprobs(x, torch.zeros(x.shape[0], dtype=torch.int64, device=x.device), backend=args.backend)
+
+    functions: dict[str, Callable] = {
+        "verl entropy_from_logits (torch)": verl_f.entropy_from_logits,
+        "rl_logp.entropy": rl_entropy,
+        "rl_logp.logprobs": rl_logprobs,
+    }
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    results = []
+    for name, fn in functions.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, dynamic=True)
+        before = _graphs()
+        for rows in args.compile_rows:
+            x = (torch.randn(rows, args.vocab, generator=gen) * 3).to(torch.bfloat16).to(device)
+            _sync(device)
+            t0 = time.perf_counter()
+            got = compiled(x)
+            _sync(device)
+            first = time.perf_counter() - t0
+            eager = fn(x)
+            row = {"suite": "compile", "provider": name, "rows": rows, "first_call_s": first,
+                   "graphs_so_far": _graphs() - before,
+                   "compiled_vs_eager_mismatches": int((got.float() != eager.float()).sum())}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            del x, got, eager
+    return results
+
+
+def run_megatron(args, device) -> list[dict]:
+    """The Megatron engine's logits step at TP=1 (one process, its own NCCL group), where it imports."""
+    try:
+        import torch.distributed as dist
+        import verl.workers.engine.megatron.transformer_impl as megatron_engine
+        from megatron.core import parallel_state as mpu
+    except ImportError as err:
+        return [{"suite": "megatron step", "note": f"not run: megatron-core is not importable here ({err})"}]
+    if device.type != "cuda":
+        return [{"suite": "megatron step", "note": "not run: Megatron's parallel state needs CUDA (NCCL)"}]
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29561", rank=0, world_size=1)
+    mpu.initialize_model_parallel(1)
+    engine = object.__new__(megatron_engine.MegatronEngineWithLMHead)
+    engine.engine_config = types.SimpleNamespace(entropy_from_logits_with_chunking=False,
+                                                 entropy_from_logits_chunk_size=2048)
+    return side_by_side(args, device, "megatron step",
+                        lambda bench, mode, t, entropy: bench.megatron_call(engine, t, entropy))
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"\n{'suite':14s} {'N':>6s} {'T':>4s} {'entropy':>7s} {'mode':>9s} {'f+b ms':>9s} {'peak GiB':>9s}")
+    for r in results:
+        if "mode" not in r:
+            continue
+        head = f"{r['suite']:14s} {r['rows']:6d} {r['temperature']:4.1f} {r['entropy']!s:>7s} {r['mode']:>9s}"
+        if "error" in r:
+            print(f"{head} error: {r['error'][:70]}")
+        else:
+            print(f"{head} {r['fwd_bwd_ms']:9.2f} {r['peak_extra_gib']:9.2f}")
+    print(f"\n{'compiled':34s} {'rows':>6s} {'first s':>8s} {'graphs':>6s} {'mism':>5s}")
+    for r in results:
+        if r["suite"] == "compile":
+            print(f"{r['provider']:34s} {r['rows']:6d} {r['first_call_s']:8.2f} {r['graphs_so_far']:6d} "
+                  f"{r['compiled_vs_eager_mismatches']:5d}")
+    for r in results:
+        if "note" in r:
+            print(f"\n{r['suite']}: {r['note']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=1024, help="tokens per packed sequence")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--compile-rows", type=int, nargs="+", default=[512, 8192, 32768])
+    parser.add_argument("--backend", default="auto", help="rl-logp backend of the patched rows")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--out", default="benchmarks/results/verl_step.json")
+    args = parser.parse_args()
+    if args.smoke:
+        args.rows, args.vocab, args.hidden, args.seq, args.reps, args.warmup = [48], 1031, 32, 20, 2, 1
+        args.compile_rows = [8, 24, 48]
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    stubbed = stub_missing_modules()
+    import verl
+    import verl.utils.torch_functional as verl_f
+
+    results = run_fsdp(args, device) + run_compile(args, device) + run_megatron(args, device)
+    report = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "verl": verl.__version__,
+        "python": platform.python_version(),
+        "unpatched_logprobs": "flash-attn triton cross_entropy" if verl_f.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE
+        else "verl torch path (logprobs_from_logits_v2)",
+        "stubbed_modules": stubbed,
+        "command": " ".join(sys.argv),
+        "results": results,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Drop-ins for verl 0.9.1's logits-scoring functions, built for one `LogpConfig`.
+
+Each keeps verl's signature and output shape and returns fp32. Inside an FSDP-engine step they follow the
+step's `StepPlan` (`integrations.verl_step`): deferred temperature, logp and entropy from one read,
+in-place backward only where rl-logp's node is the logits' only autograd consumer. Outside a step
+(other engines, the naive rollout, user code) they score the logits they are given, out of place.
+
+verl's originals, for reference (verl/utils/torch_functional.py unless named):
+`logprobs_from_logits` line 73, `entropy_from_logits` 231, `entropy_from_logits_with_chunking` 248,
+`calculate_sum_pi_squared_from_logits` 690; `_scale_logits_by_temperature`
+verl/workers/engine/fsdp/transformer_impl.py:98; `vocab_parallel_log_probs_from_logits` and
+`vocab_parallel_entropy[_with_chunking]` verl/utils/megatron/tensor_parallel.py:201, 142, 154.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+import rl_logp
+from rl_logp import LogpConfig
+
+from .verl_step import current_plan
+
+GroupGetter = Callable[[], dist.ProcessGroup]
+
+
+def make_logprobs_from_logits(config: LogpConfig) -> Callable:
+    """`logprobs_from_logits(logits, labels, inplace_backward=True)`."""
+
+    def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True):
+        plan = current_plan()
+        if plan is None:
+            return rl_logp.logprobs(logits, labels, config=config)
+        served = plan.take_logp(logits, labels)
+        if served is not None:
+            return served
+        return rl_logp.logprobs(
+            logits, labels, config=config,
+            temperature=plan.temperature_for(logits, "logprobs_from_logits"),
+            inplace_backward=inplace_backward and plan.inplace_ok(logits),
+        )
+
+    return logprobs_from_logits
+
+
+def make_entropy_from_logits(config: LogpConfig) -> Callable:
+    """`entropy_from_logits(logits)`, `entropy_from_logits_with_chunking(logits, chunk_size)` and the FSDP
+    engine's `compute_entropy_from_logits` (verl's `chunk_size` is a memory knob; rl-logp's workspace is
+    bounded by `config.chunk_bytes`)."""
+
+    def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+        plan = current_plan()
+        if plan is None:
+            return rl_logp.entropy(logits, config=config)
+        if plan.combines(logits):
+            logp, entropy = rl_logp.logprobs_and_entropy(
+                logits, plan.labels, config=config, temperature=plan.temperature,
+                inplace_backward=plan.inplace_ok(logits),
+            )
+            plan.keep_logp(logp)
+            return entropy
+        return rl_logp.entropy(logits, config=config, temperature=plan.temperature_for(logits, "entropy_from_logits"))
+
+    return entropy_from_logits
+
+
+def make_sum_pi_squared(config: LogpConfig) -> Callable:
+    """`calculate_sum_pi_squared_from_logits(logits)`: sum_j p_j^2 = exp(lse(2z) - 2 lse(z)), verl's
+    identity, with both lse the contract's. lse(2z) is `logsumexp(x, temperature=T/2)`: x/(T/2) and
+    2(x/T) are the same fp32 number (scaling by 2 is exact), so it is invariant like lse(z). Not
+    differentiable: verl 0.9.1 computes it only in `compute_log_prob` (no grad) as data for the optimal
+    token baseline. Returns fp32 (verl returns the logits' dtype; its caller casts to fp32)."""
+
+    def calculate_sum_pi_squared_from_logits(logits: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and logits.requires_grad:
+            raise RuntimeError(
+                "rl_logp: calculate_sum_pi_squared_from_logits is not differentiable under rl-logp "
+                "(verl 0.9.1 computes it only under no_grad); call it under torch.no_grad() or on "
+                "logits.detach(), or unset RL_LOGP_BACKEND"
+            )
+        plan = current_plan()
+        temperature = plan.temperature_for(logits, "calculate_sum_pi_squared_from_logits") if plan else None
+        if temperature is None:
+            temperature = 1.0
+        lse = rl_logp.logsumexp(logits, config=config, temperature=temperature)
+        lse_twice = rl_logp.logsumexp(logits, config=config, temperature=temperature * 0.5)
+        return torch.exp(lse_twice - 2.0 * lse)
+
+    return calculate_sum_pi_squared_from_logits
+
+
+def scale_logits_by_temperature(
+    logits: torch.Tensor, temperature: torch.Tensor, *, is_unit_temperature: bool
+) -> torch.Tensor:
+    """The FSDP engine's `_scale_logits_by_temperature`. Where the step's plan defers the temperature the
+    logits come back unchanged and T (clamped at 1e-8, as verl does) goes to the consumers; elsewhere
+    the contract's `fp32(x) / T` is materialised (fp32: one bf16 logits-sized buffer more than verl)."""
+    plan = current_plan()
+    deferred = None
+    if is_unit_temperature:
+        out = logits
+    elif plan is not None and plan.defer_temperature:
+        out = logits
+        t = temperature.clamp(min=1e-8).to(torch.float32)
+        deferred = torch.broadcast_to(t, (*logits.shape[:-1], 1))[..., 0]
+    else:
+        out = logits.to(torch.float32) / temperature.clamp(min=1e-8).to(torch.float32)
+    if plan is not None:
+        plan.bind(out, deferred)
+    return out
+
+
+def megatron_tp_group() -> dist.ProcessGroup:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_tensor_model_parallel_group()
+
+
+def make_vocab_parallel_log_probs_from_logits(config: LogpConfig, group_getter: GroupGetter = megatron_tp_group):
+    """`vocab_parallel_log_probs_from_logits(logits, labels)` on Megatron's TP group."""
+
+    def vocab_parallel_log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return rl_logp.logprobs(logits, labels, config=config, tp_group=group_getter())
+
+    return vocab_parallel_log_probs_from_logits
+
+
+def make_vocab_parallel_entropy(config: LogpConfig, group_getter: GroupGetter = megatron_tp_group):
+    """`vocab_parallel_entropy(logits)` and `vocab_parallel_entropy_with_chunking(logits, chunk_size)`:
+    the vocab-parallel entropy of the contract (all-reduce MAX, SUM of the int64 S and E)."""
+
+    def vocab_parallel_entropy(vocab_parallel_logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+        return rl_logp.entropy(vocab_parallel_logits, config=config, tp_group=group_getter())
+
+    return vocab_parallel_entropy
+
+
+def make_refusal(site: str, message: str) -> Callable:
+    """Stands in for `site` when rl-logp was asked for but misconfigured: every call raises `message`."""
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{message} (raised by the rl-logp stand-in for verl's {site})")
+
+    refuse.__name__ = site.rsplit(".", 1)[-1]
+    return refuse
