@@ -337,12 +337,11 @@ def run_autotune(args, device, bandwidth) -> list[dict]:
     inputs, labels = make_inputs(n, args.vocab, device, 11)
     base = fused_engine.FusedConfig()
     segmented = {"pipeline_min_rows": 1 << 40}
-    forward = [{"pipeline_chunk": c, "pipeline_warps": w, "pipeline_programs_per_sm": p}
-               for c, w, p in [(8192, 16, 1), (16384, 32, 1), (16384, 16, 1), (8192, 8, 2), (4096, 8, 2)]]
-    forward += [{**segmented, "seg": 262144, "chunk": 4096, "warps": 8, "programs_per_sm": 8},
-                {**segmented, "seg": 262144, "chunk": 8192, "warps": 16, "programs_per_sm": 4},
-                {**segmented, "seg": 8192, "chunk": 2048}, segmented]
-    backward = [{"grad_block": b, "grad_warps": w} for b, w in [(4096, 8), (8192, 8), (2048, 4), (8192, 16)]]
+    forward = [{**segmented, "seg": 262144, "chunk": c, "warps": w, "programs_per_sm": p}
+               for c, w, p in [(4096, 8, 8), (4096, 8, 4), (8192, 16, 4)]]
+    forward += [{**segmented, "seg": 8192, "chunk": 2048},
+                {"pipeline_chunk": 16384, "pipeline_warps": 32, "pipeline_programs_per_sm": 1}]
+    backward = [{"grad_block": b, "grad_warps": w} for b, w in [(4096, 8), (8192, 8), (2048, 4)]]
     if args.smoke:
         forward, backward = forward[:1], backward[:1]
     temps = (Temperature(), Temperature(scalar=0.7))

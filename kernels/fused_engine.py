@@ -25,6 +25,7 @@ from .fused_backward import launch_grad
 from .fused_forward import (
     ACC_WORDS,
     DIV_IEEE,
+    DIV_RECIPROCAL,
     INTERPRET,
     QUANT_CAST,
     QUANT_SPLIT,
@@ -41,30 +42,33 @@ MAX_SPLIT_BITS = 40  # the split quantisation: trunc(t 2^20) and the remaining F
 
 @dataclasses.dataclass(frozen=True)
 class FusedConfig:
-    """Launch parameters of the fused kernels.
+    """Launch parameters of the fused kernels; every variant gives the same bits. The defaults are the
+    H200 autotune's choice (benchmarks/results/h200_autotune.json, docs/performance.md).
 
-    seg: logits per work item (a row is cut into cdiv(V, seg) items); chunk: logits loaded at once
-    (chunk == seg keeps the item in registers between max and sum; smaller chunks re-read it from L2);
-    width: columns of one tile row (<= 2048, the uint32 split sums need it); programs_per_sm: programs
-    taking tickets per SM (0: one program per work item). From `pipeline_min_rows` rows on (GPU), whole
-    rows go to `_row_pipeline_kernel` instead (the CPU interpreter counts 4 SMs): `pipeline_programs_per_sm` programs per SM of
-    `pipeline_warps` warps, `pipeline_chunk` logits per load, `pipeline_stages` software-pipeline stages;
-    sync: max and sums in one launch (False:
-    two launches, as the interpreter needs); quant: QUANT_SPLIT or QUANT_CAST; div: DIV_IEEE or
-    DIV_RECIPROCAL (both the correctly rounded x / T); ftz: libdevice's flush-to-zero `exp` (torch's
-    CUDA `exp` is not flushed: False keeps subnormal results the same bits).
+    seg: logits per work item of `_row_stats_kernel` (a row is cut into cdiv(V, seg) items); chunk:
+    logits loaded at once (chunk == seg keeps the item in registers between max and sums; smaller chunks
+    stream it twice, the second time from L2); width: columns of one tile row; warps: per program;
+    programs_per_sm: programs taking tickets per SM (0: one program per work item); sync: max and sums
+    in one launch (False: two launches, as the interpreter needs); quant: QUANT_SPLIT or QUANT_CAST;
+    div: DIV_IEEE or DIV_RECIPROCAL (the IEEE quotient either way; the interpreter's fma is not fused,
+    so it divides with div_rn); ftz: libdevice's flush-to-zero `exp` (torch's CUDA `exp` is not
+    flushed: False keeps subnormal results the same bits).
+    From `pipeline_min_rows` rows on, whole rows go to `_row_pipeline_kernel` instead (off by default:
+    slower than the segmented kernel on the H200 at T != 1): `pipeline_programs_per_sm` programs per SM
+    (the interpreter counts 4 SMs) of `pipeline_warps` warps, `pipeline_chunk` logits per load,
+    `pipeline_stages` software-pipeline stages. grad_block, grad_warps: the backward's tile and warps.
     """
 
-    seg: int = 4096
-    chunk: int = 4096
+    seg: int = 8192
+    chunk: int = 2048
     width: int = 2048
     warps: int = 4
     programs_per_sm: int = 0
     sync: bool = not INTERPRET
     quant: int = QUANT_SPLIT
-    div: int = DIV_IEEE
+    div: int = DIV_IEEE if INTERPRET else DIV_RECIPROCAL
     ftz: bool = False
-    pipeline_min_rows: int = 2048
+    pipeline_min_rows: int = 1 << 62
     pipeline_chunk: int = 8192
     pipeline_warps: int = 16
     pipeline_programs_per_sm: int = 1
