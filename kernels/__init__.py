@@ -1,6 +1,7 @@
 """GPU kernels of rl-logp, installed as `rl_logp.kernels`.
 
-`fused_logp`: the Triton kernels of the `fused` backend (row statistics and the row-local backward)
-and `FusedEngine`, which launches them. Importing this package never needs a GPU; importing
-`fused_logp` needs Triton.
+`fused_forward`: the Triton kernels of the forward (row statistics: max, the int64 fixed-point sums, and
+the finished logp / lse / entropy); `fused_backward`: the row-local gradient of logp and/or entropy;
+`fused_engine`: `FusedEngine`, which launches them, and its launch parameters `FusedConfig`. Importing this
+package never needs a GPU; importing its modules needs Triton.
 """
