@@ -117,6 +117,14 @@ def _grad_inplace_fake(x, *args):
     return None
 
 
+def gradient(x: torch.Tensor, args: tuple, inplace: bool) -> torch.Tensor:
+    """`rl_logp::grad` of x with `args` (its remaining arguments), or `rl_logp::grad_` written over x."""
+    if inplace:
+        torch.ops.rl_logp.grad_(x, *args)
+        return x
+    return torch.ops.rl_logp.grad(x, *args)
+
+
 def _setup_row_stats(ctx, inputs, output) -> None:
     x, labels, temp_rows, t_scalar, _bits, engine, chunk_bytes, entropy, inplace_backward = inputs
     _, ent, _, row_max, log_sum = output
@@ -141,12 +149,7 @@ def _row_stats_backward(ctx, g_logp, g_entropy, g_lse, g_max, g_log_sum):
         )
     args = (labels, 0, x.shape[1], temp_rows, ctx.t_scalar, row_max, log_sum, ent, g_logp, g_entropy,
             ctx.engine, ctx.chunk_bytes)
-    if ctx.inplace_backward:
-        torch.ops.rl_logp.grad_(x, *args)
-        dx = x
-    else:
-        dx = torch.ops.rl_logp.grad(x, *args)
-    return dx, None, None, None, None, None, None, None, None
+    return gradient(x, args, ctx.inplace_backward), None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("rl_logp::row_stats", _row_stats_backward, setup_context=_setup_row_stats)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from rl_logp import contract
+from rl_logp.ops import gradient
 from rl_logp.shard_layout import VocabShard
 
 
@@ -53,12 +54,7 @@ class VocabParallelStats(torch.autograd.Function):
             return (None,) * 10
         args = (labels, shard.start, shard.vocab_size, temp_rows, t_scalar, row_max, log_sum, ent, g_logp,
                 g_entropy, engine, chunk_bytes)
-        if inplace_backward:
-            torch.ops.rl_logp.grad_(x, *args)
-            dx = x
-        else:
-            dx = torch.ops.rl_logp.grad(x, *args)
-        return (dx,) + (None,) * 9
+        return (gradient(x, args, inplace_backward),) + (None,) * 9
 
 
 @torch.compiler.disable
