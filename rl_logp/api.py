@@ -13,13 +13,11 @@ import torch
 import torch.distributed as dist
 
 from rl_logp import baselines, ops
-from rl_logp.backends import resolve_backend
+from rl_logp.backends import INVARIANT_ENGINES, resolve_backend
 from rl_logp.config import LogpConfig, resolve_config
 from rl_logp.shard_layout import LocalLayout, agree
 from rl_logp.validation import PreparedInputs, check_vocab_fits, prepare_inputs
 from rl_logp.vocab_parallel import vocab_parallel_stats
-
-INVARIANT = ("fused", "chunked")
 
 
 def _in_graph(x: torch.Tensor) -> bool:
@@ -46,6 +44,14 @@ def _row_stats(inputs: PreparedInputs, cfg: LogpConfig, engine: str, entropy: bo
     return ops.row_stats_impl(*args)
 
 
+def _prepare(logits, labels, temperature, config, backend, chunk_bytes, fixed_point_bits, strict=None):
+    """(config, validated inputs, resolved backend name): the set-up every public function shares."""
+    cfg = resolve_config(config, backend=backend, chunk_bytes=chunk_bytes, fixed_point_bits=fixed_point_bits,
+                         strict=strict)
+    inputs = prepare_inputs(logits, labels, temperature)
+    return cfg, inputs, resolve_backend(cfg.backend, inputs.logits.device)
+
+
 def _score(logits, labels, *, entropy: bool, want_logp: bool, backend, temperature, tp_group, vocab_start,
            vocab_size, inplace_backward, config, chunk_bytes, fixed_point_bits, strict):
     """(logp or None, entropy or None), each of the logits' row shape."""
@@ -55,12 +61,10 @@ def _score(logits, labels, *, entropy: bool, want_logp: bool, backend, temperatu
                                      fixed_point_bits, strict)
     if vocab_start is not None or vocab_size is not None:
         raise ValueError("rl_logp: vocab_start/vocab_size describe a vocab split; pass tp_group with them")
-    cfg = resolve_config(config, backend=backend, chunk_bytes=chunk_bytes, fixed_point_bits=fixed_point_bits,
-                         strict=strict)
-    inputs = prepare_inputs(logits, labels if want_logp else None, temperature)
-    name = resolve_backend(cfg.backend, inputs.logits.device)
+    cfg, inputs, name = _prepare(logits, labels if want_logp else None, temperature, config, backend, chunk_bytes,
+                                 fixed_point_bits, strict)
     check_vocab_fits(inputs.logits.shape[1], cfg.fixed_point_bits)
-    if name not in INVARIANT:
+    if name not in INVARIANT_ENGINES:
         return baselines.score(name, inputs, entropy=entropy, want_logp=want_logp, inplace_backward=inplace_backward)
     if inputs.logits.shape[0] == 0:
         empty = _empty_result(inputs, logits)
@@ -76,12 +80,10 @@ def _score_vocab_parallel(logits, labels, entropy, backend, temperature, tp_grou
         raise TypeError(f"rl_logp: tp_group must be a torch.distributed.ProcessGroup, got {type(tp_group).__name__}")
     local = LocalLayout(vocab_start=vocab_start, vocab_size=vocab_size)
     try:
-        cfg = resolve_config(config, backend=backend, chunk_bytes=chunk_bytes, fixed_point_bits=fixed_point_bits,
-                             strict=strict)
-        inputs = prepare_inputs(logits, labels, temperature)
+        cfg, inputs, name = _prepare(logits, labels, temperature, config, backend, chunk_bytes, fixed_point_bits,
+                                     strict)
         x = inputs.logits
         local.device = x.device
-        name = resolve_backend(cfg.backend, x.device)
         if name == "flash_attn":
             raise ValueError("rl_logp: backend='flash_attn' has no vocab-parallel form; use 'fused' or 'chunked'")
         if name == "torch" and torch.is_grad_enabled() and x.requires_grad:
@@ -194,10 +196,8 @@ def logprobs_and_entropy(
 
 
 def _normalizer(logits, backend, temperature, config, chunk_bytes, fixed_point_bits):
-    cfg = resolve_config(config, backend=backend, chunk_bytes=chunk_bytes, fixed_point_bits=fixed_point_bits)
-    inputs = prepare_inputs(logits, None, temperature)
-    name = resolve_backend(cfg.backend, inputs.logits.device)
-    if name not in INVARIANT:
+    cfg, inputs, name = _prepare(logits, None, temperature, config, backend, chunk_bytes, fixed_point_bits)
+    if name not in INVARIANT_ENGINES:
         raise ValueError(f"rl_logp: this function needs an invariant backend (fused/chunked/auto), got {name!r}")
     check_vocab_fits(inputs.logits.shape[1], cfg.fixed_point_bits)
     if inputs.logits.shape[0] == 0:

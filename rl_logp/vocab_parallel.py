@@ -15,6 +15,7 @@ import torch
 from rl_logp import contract
 from rl_logp.ops import gradient
 from rl_logp.shard_layout import VocabShard
+from rl_logp.temperature import Temperature
 
 
 class VocabParallelStats(torch.autograd.Function):
@@ -33,9 +34,7 @@ class VocabParallelStats(torch.autograd.Function):
         empty = x.new_empty(0, dtype=torch.float32)
         logp = empty
         if labels is not None:
-            divisor = temp_rows if temp_rows is not None else (
-                None if t_scalar == 1.0 else torch.tensor(t_scalar, dtype=torch.float32, device=x.device)
-            )
+            divisor = Temperature(rows=temp_rows, scalar=t_scalar).divisor(slice(0, x.shape[0]), x.device)
             target = contract.shard_target_logit(x, labels - shard.start, divisor)
             shard.all_reduce_sum(target)
             logp = contract.assemble_logp(target, row_max, log_sum, labels, shard.vocab_size)
