@@ -95,10 +95,10 @@ def _score_vocab_parallel(logits, labels, entropy, backend, temperature, tp_grou
             raise ValueError("rl_logp: backend='torch' has no vocab-parallel entropy; use 'fused' or 'chunked'")
         local.rows, local.width, local.bits, local.engine = x.shape[0], x.shape[1], cfg.fixed_point_bits, name
         local.dtype, local.labels, local.temperature = x.dtype, inputs.labels, inputs.temperature
-    except (TypeError, ValueError) as err:
+    except Exception as err:  # any local failure must reach the all-gather: a peer never waits on a dead rank
         if isinstance(logits, torch.Tensor):
             local.device = logits.device
-        local.error = str(err)
+        local.error = str(err) if isinstance(err, (TypeError, ValueError)) else f"{type(err).__name__}: {err}"
     shard = agree(tp_group, local)
     check_vocab_fits(shard.vocab_size, cfg.fixed_point_bits)
     if name == "torch":
