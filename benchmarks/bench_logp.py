@@ -1,21 +1,28 @@
-"""Benchmark of selected-token logp / entropy providers: time as a multiple of the HBM floor, peak memory.
+"""Benchmark of selected-token logp / entropy providers: time over the HBM floor, peak memory, host time.
 
-For N rows x V (default Qwen's 151936) bf16 logits it times, side by side in one run (CUDA events, warm-up,
-median of --reps, two input sets rotated so no run reads the previous one's L2):
-  logp        fused (rl-logp), chunked (N <= 8192), torch log_softmax+gather, flash-attn's Triton cross
-              entropy, Liger's cross entropy, quack's (each when importable), at T = 1 and T = 0.7
-  entropy     fused, and torch's entropy formula (verl's `entropy_from_logits`) under
-              torch.compile(dynamic=True), as verl's FSDP engine runs it
-  logp+entropy  fused `logprobs_and_entropy` (one read, one combined backward)
-forward and forward+backward, each over the floor measured in the same run (bytes moved: forward one read
-of the logits, backward one read + one write; over the device-to-device copy bandwidth).
-`--sweep` times launch variants of the fused kernels (FusedConfig) at the largest N; `--rollout` times
-one call per decode step at N in {1, 8, 64, 256, 1024} (wall time, synchronized, launches included:
-what vLLM's sampler sees). Batch invariance: rows scored alone vs in the batch, 64 probes.
-Prints a table last and writes JSON (--out). `--smoke` runs tiny shapes on the CPU (torch, chunked,
-fused under TRITON_INTERPRET=1) so CI keeps this script working.
+Suites (`--suites`), each row written to the JSON (`--out`) as soon as it is measured:
+  main     for N rows x V (Qwen's 151936) bf16 logits, through each provider's public function: rl-logp
+           (`rl_logp.logprobs` / `entropy` / `logprobs_and_entropy`, backend auto), torch log_softmax +
+           gather, flash-attn's Triton cross entropy (T != 1 through its own `logit_scale=1/T`), Liger's
+           cross entropy (T != 1 on a divided copy: it has no scale), verl 0.9.1's own
+           `logprobs_from_logits` and `torch.compile`d `entropy_from_logits` on verl's bf16 `x / T` (how
+           its FSDP engine runs them); forward and forward+backward at T = 1 and 0.7. Every provider gets
+           its own fresh inputs; forward+backward runs on a non-leaf copy of the logits made outside the
+           timed region, with in-place backward where the provider has one (rl-logp, flash-attn: what verl
+           uses). Floors: forward one read of the logits, forward+backward three passes (read, read +
+           write), over the device-to-device copy bandwidth measured in the same run.
+  sweep    launch variants of the fused kernels (`LaunchConfig`) at the largest N, kernel by kernel.
+  rollout  one call per decode step at N in {1, 8, 64, 256, 1024}: wall time per call over a loop of
+           calls (synchronised at the end, host and launches included: what vLLM's sampler sees), CUDA time
+           per call, and host time per call (the loop without waiting for the GPU).
+  tp       the cost of the TP agreement per call: `rl_logp.logprobs` with a `tp_group` (an NCCL group of
+           this one process on a GPU, gloo on the CPU) in `tp_agreement` modes `every_call` (a host sync)
+           and `first_call`, beside the same call without a group, at rollout and training sizes.
+Batch invariance: rows scored alone vs inside the batch. Prints a table last. `--smoke` runs tiny shapes
+on the CPU (the fused kernels under TRITON_INTERPRET=1) so CI keeps this script working.
 
     python benchmarks/bench_logp.py --out benchmarks/results/h200_bench.json
+    python benchmarks/bench_logp.py --suites sweep --rows 32768 --out /tmp/sweep.json
 """
 
 from __future__ import annotations
@@ -52,85 +59,117 @@ def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30, reps: int = 20) 
         return 1e11
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    ms = _median_ms(lambda i: dst.copy_(src), reps, device)
+    ms = median_ms(lambda i: dst.copy_(src), reps, device)
     return 2 * nbytes / (ms / 1e3)
 
 
-def _median_ms(fn: Callable[[int], object], reps: int, device: torch.device, warmup: int = 3) -> float:
+def median_ms(fn: Callable[[int], object], reps: int, device: torch.device, warmup: int = 3,
+              prepare: Callable[[int], object] | None = None) -> float:
+    """Median time of fn(i) (CUDA events on the GPU); `prepare(i)` runs before each, outside the timing."""
     times = []
     for i in range(warmup + reps):
+        arg = prepare(i) if prepare is not None else i
         if device.type == "cuda":
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn(i)
+            fn(arg)
             stop.record()
             torch.cuda.synchronize()
             elapsed = start.elapsed_time(stop)
         else:
             t0 = time.perf_counter()
-            fn(i)
+            fn(arg)
             elapsed = (time.perf_counter() - t0) * 1e3
         if i >= warmup:
             times.append(elapsed)
     return statistics.median(times)
 
 
-def _flash_attn_ce():
+class Report:
+    """The JSON report, rewritten after every row so a time limit never loses what ran."""
+
+    def __init__(self, path: str, header: dict) -> None:
+        self.path, self.header, self.rows = path, header, []
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "floor"}), flush=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({**self.header, "results": self.rows}, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+def _bf16(t: float | None):
+    return None if t is None else torch.tensor(t, dtype=torch.bfloat16)
+
+
+def _verl_functions():
+    """verl 0.9.1's own logprobs_from_logits and compiled entropy_from_logits, or the reason they are absent."""
+    try:
+        from verl.utils import torch_functional as verl_tf
+    except ImportError as err:
+        return None, f"verl not importable: {err}"
+    return verl_tf, ""
+
+
+def logp_providers(smoke: bool) -> tuple[dict[str, Provider], dict[str, str]]:
+    found: dict[str, Provider] = {
+        "rl_logp": lambda x, y, t, ip: rl_logp.logprobs(x, y, temperature=t, inplace_backward=ip),
+        "torch log_softmax+gather": lambda x, y, t, ip: rl_logp.logprobs(x, y, backend="torch", temperature=t),
+    }
+    if smoke:
+        found["rl_logp chunked"] = lambda x, y, t, ip: rl_logp.logprobs(x, y, backend="chunked", temperature=t)
+    missing: dict[str, str] = {}
     try:
         from flash_attn.ops.triton.cross_entropy import cross_entropy_loss
+
+        found["flash_attn CE"] = lambda x, y, t, ip: -cross_entropy_loss(
+            x, y, logit_scale=1.0 if t is None else 1.0 / t, inplace_backward=ip)[0]
     except ImportError as err:
-        return None, str(err)
-    return cross_entropy_loss, ""
-
-
-def logp_providers(device: torch.device, smoke: bool) -> tuple[dict[str, Provider], dict[str, str]]:
-    found: dict[str, Provider] = {
-        "fused": lambda x, y, t: rl_logp.logprobs(x, y, backend="fused", temperature=t),
-        "chunked": lambda x, y, t: rl_logp.logprobs(x, y, backend="chunked", temperature=t),
-        "torch": lambda x, y, t: rl_logp.logprobs(x, y, backend="torch", temperature=t),
-    }
-    missing: dict[str, str] = {}
-    if smoke:
-        return found, missing
-    ce, why = _flash_attn_ce()
-    if ce is not None:
-        found["flash_attn"] = lambda x, y, t: -ce(x if t is None else x / t, y, inplace_backward=False)[0]
-    else:
-        missing["flash_attn"] = why
+        missing["flash_attn CE"] = str(err)
     try:
         from liger_kernel.transformers.functional import liger_cross_entropy
 
-        found["liger"] = lambda x, y, t: -liger_cross_entropy(x if t is None else x / t, y, reduction="none")
+        found["liger CE"] = lambda x, y, t, ip: -liger_cross_entropy(x if t is None else x / t, y, reduction="none")
     except ImportError as err:
-        missing["liger"] = str(err)
-    try:
-        from quack.cross_entropy import cross_entropy as quack_cross_entropy
-
-        found["quack"] = lambda x, y, t: -quack_cross_entropy(x if t is None else x / t, y, reduction="none")
-    except ImportError as err:
-        missing["quack"] = str(err)
+        missing["liger CE"] = str(err)
+    verl_tf, why = _verl_functions()
+    if verl_tf is not None:
+        found["verl logprobs_from_logits"] = lambda x, y, t, ip: verl_tf.logprobs_from_logits(
+            x if t is None else x / _bf16(t).to(x.device), y, inplace_backward=ip)
+    else:
+        missing["verl logprobs_from_logits"] = why
     return found, missing
 
 
-def _torch_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """verl 0.9.1's `entropy_from_logits` (verl/utils/torch_functional.py): logsumexp - sum(softmax * x)."""
-    pd = torch.nn.functional.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - torch.sum(pd * logits, dim=-1)
+def entropy_providers() -> tuple[dict[str, Provider], dict[str, str]]:
+    found: dict[str, Provider] = {"rl_logp": lambda x, y, t, ip: rl_logp.entropy(x, temperature=t)}
+    verl_tf, why = _verl_functions()
+    if verl_tf is None:
+        return found, {"verl entropy_from_logits (compiled)": why}
+    compiled = torch.compile(verl_tf.entropy_from_logits, dynamic=True)
+    found["verl entropy_from_logits (compiled)"] = lambda x, y, t, ip: compiled(
+        x if t is None else x / _bf16(t).to(x.device))
+    return found, {}
 
 
-def entropy_providers(smoke: bool) -> dict[str, Provider]:
-    compiled = torch.compile(_torch_entropy, dynamic=True)
+def both_providers() -> tuple[dict[str, Provider], dict[str, str]]:
     found: dict[str, Provider] = {
-        "fused": lambda x, y, t: rl_logp.entropy(x, backend="fused", temperature=t),
-        "torch-compiled (verl's formula)": lambda x, y, t: compiled(x if t is None else x.float() / t),
+        "rl_logp": lambda x, y, t, ip: rl_logp.logprobs_and_entropy(x, y, temperature=t, inplace_backward=ip),
     }
-    if smoke:
-        found["chunked"] = lambda x, y, t: rl_logp.entropy(x, backend="chunked", temperature=t)
-    return found
+    verl_tf, why = _verl_functions()
+    if verl_tf is None:
+        return found, {"verl logprobs + compiled entropy": why}
+    compiled = torch.compile(verl_tf.entropy_from_logits, dynamic=True)
 
+    def verl_both(x, y, t, ip):
+        z = x if t is None else x / _bf16(t).to(x.device)
+        return compiled(z), verl_tf.logprobs_from_logits(z, y, inplace_backward=False)
 
-def both_providers() -> dict[str, Provider]:
-    return {"fused": lambda x, y, t: rl_logp.logprobs_and_entropy(x, y, backend="fused", temperature=t)}
+    found["verl logprobs + compiled entropy"] = verl_both
+    return found, {}
 
 
 def _loss(out) -> torch.Tensor:
@@ -139,154 +178,142 @@ def _loss(out) -> torch.Tensor:
     return out.float().sum()
 
 
-def time_provider(fn: Provider, inputs: list[torch.Tensor], labels: torch.Tensor, temperature, reps: int,
-                  device: torch.device) -> dict:
-    """Forward (no grad) and forward+backward (the gradient buffer is the peak above the inputs)."""
-    leaves = [x.detach().requires_grad_(True) for x in inputs]
-
-    def forward(i):
-        with torch.no_grad():
-            fn(leaves[i % 2], labels, temperature)
-
-    def both(i):
-        x = leaves[i % 2]
-        x.grad = None
-        _loss(fn(x, labels, temperature)).backward()
-
-    fwd = _median_ms(forward, reps, device)
-    _sync(device)
-    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    both(0)
-    _sync(device)
-    peak = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else 0
-    fb = _median_ms(both, reps, device)
-    for x in leaves:
-        x.grad = None
-    return {"forward_ms": fwd, "fwd_bwd_ms": fb, "peak_extra_bytes": peak}
-
-
-def batch_mismatches(fn: Provider, x: torch.Tensor, labels: torch.Tensor, temperature, probes: int = 64) -> int:
-    """Rows whose result differs when scored alone vs inside the full batch."""
-    with torch.no_grad():
-        full = fn(x, labels, temperature)
-        full = full[0] if isinstance(full, tuple) else full
-        bad = 0
-        for i in torch.linspace(0, x.shape[0] - 1, probes).long().tolist():
-            one = fn(x[i : i + 1], labels[i : i + 1], temperature)
-            one = one[0] if isinstance(one, tuple) else one
-            bad += int(one.float().view(torch.int32) != full[i : i + 1].float().view(torch.int32))
-        return bad
-
-
 def make_inputs(n: int, vocab: int, device: torch.device, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Two logits sets (rotated, so no timed call reads the previous one's L2) and labels."""
     gen = torch.Generator(device=device).manual_seed(seed)
     xs = [(torch.randn(n, vocab, device=device, generator=gen) * 2.5 - 3).to(torch.bfloat16) for _ in range(2)]
     return xs, torch.randint(0, vocab, (n,), device=device, generator=gen)
 
 
-def run_main(args, device, bandwidth) -> list[dict]:
-    results = []
-    lp, missing = logp_providers(device, args.smoke)
-    for name, why in missing.items():
-        print(f"{name}: not run ({why})", file=sys.stderr)
-        results.append({"suite": "logp", "provider": name, "error": f"not importable: {why}"})
+def time_provider(fn: Provider, inputs: list[torch.Tensor], labels: torch.Tensor, temperature, reps: int,
+                  device: torch.device) -> dict:
+    """Forward (no grad) and forward+backward on a fresh non-leaf copy per call (made outside the timing;
+    in-place backward may overwrite it); peak memory above the inputs in forward+backward."""
+    leaves = [x.detach().requires_grad_(True) for x in inputs]
+
+    def forward(i):
+        with torch.no_grad():
+            fn(inputs[i % 2], labels, temperature, False)
+
+    def fresh(i):
+        leaves[i % 2].grad = None
+        return leaves[i % 2].clone()
+
+    def both(x):
+        _loss(fn(x, labels, temperature, True)).backward()
+
+    fwd = median_ms(forward, reps, device)
+    x = fresh(0)
+    _sync(device)
+    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    both(x)
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else 0
+    del x
+    fb = median_ms(both, reps, device, prepare=fresh)
+    for leaf in leaves:
+        leaf.grad = None
+    return {"forward_ms": fwd, "fwd_bwd_ms": fb, "peak_extra_bytes": peak}
+
+
+def batch_mismatches(fn: Provider, x: torch.Tensor, labels: torch.Tensor, temperature, probes: int) -> int:
+    """Rows whose result differs when scored alone vs inside the full batch."""
+    with torch.no_grad():  # fresh copies: some providers (Liger) overwrite their input
+        full = fn(x.clone(), labels, temperature, False)
+        full = full[0] if isinstance(full, tuple) else full
+        bad = 0
+        for i in torch.linspace(0, x.shape[0] - 1, probes).long().tolist():
+            one = fn(x[i : i + 1].clone(), labels[i : i + 1], temperature, False)
+            one = one[0] if isinstance(one, tuple) else one
+            bad += int(one.float().view(torch.int32) != full[i : i + 1].float().view(torch.int32))
+        return bad
+
+
+def run_main(args, device, bandwidth, report: Report) -> None:
+    suites = []
+    for name, (providers, missing) in (("logp", logp_providers(args.smoke)), ("entropy", entropy_providers()),
+                                        ("logp+entropy", both_providers())):
+        for provider, why in missing.items():
+            report.add({"suite": name, "provider": provider, "error": f"not importable: {why}"})
+        suites += [(name, providers, None), (f"{name} T=0.7", providers, 0.7)]
     for n in args.rows:
-        inputs, labels = make_inputs(n, args.vocab, device, n)
         elem_bytes = n * args.vocab * 2
         floor = {"forward_ms": elem_bytes / bandwidth * 1e3, "fwd_bwd_ms": 3 * elem_bytes / bandwidth * 1e3}
-        suites = [("logp", lp, None), ("logp T=0.7", lp, 0.7), ("entropy", entropy_providers(args.smoke), None),
-                  ("entropy T=0.7", entropy_providers(args.smoke), 0.7), ("logp+entropy", both_providers(), None),
-                  ("logp+entropy T=0.7", both_providers(), 0.7)]
         for suite, providers, temperature in suites:
             for name, fn in providers.items():
-                if name == "chunked" and n > 8192 and not args.smoke:
+                if name in ("torch log_softmax+gather", "rl_logp chunked") and n > 8192:
                     continue
                 row = {"suite": suite, "provider": name, "rows": n, "vocab": args.vocab, "temperature": temperature,
                        "logits_bytes": elem_bytes, "floor": floor}
                 try:
-                    reps = args.reps if name != "chunked" else max(3, args.reps // 5)
-                    row.update(time_provider(fn, inputs, labels, temperature, reps, device))
-                    if n == args.rows[0] or args.smoke:
+                    inputs, labels = make_inputs(n, args.vocab, device, n)  # fresh for every provider
+                    if n == args.rows[0]:
                         row["batch_mismatch_rows_of_64"] = batch_mismatches(fn, inputs[0], labels, temperature,
                                                                              probes=8 if args.smoke else 64)
+                    row.update(time_provider(fn, inputs, labels, temperature, args.reps, device))
                 except Exception as err:  # a provider failing is reported, the run goes on
                     row["error"] = f"{type(err).__name__}: {err}"
-                results.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "floor"}), flush=True)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-        del inputs
-    return results
+                finally:
+                    inputs = labels = None
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                report.add(row)
 
 
-def time_variant(engine, inputs: list[torch.Tensor], labels: torch.Tensor, vocab: int, reps: int,
-                 device: torch.device) -> dict:
-    """Forward (logp, logp+entropy; T = 1 and 0.7) and backward times of one FusedEngine, in ms."""
-    from rl_logp.temperature import Temperature
-
-    n = labels.shape[0]
-    times = {}
-    temps = (("t1", Temperature()), ("t07", Temperature(scalar=0.7)))
-    for label, temp in temps:
-        for ent in (False, True):
-            key = f"forward_{label}{'_entropy' if ent else ''}_ms"
-            times[key] = _median_ms(lambda i, t=temp, e=ent: engine.row_stats(inputs[i % 2], t, labels, 40, e),
-                                    reps, device)
-    stats = engine.row_stats(inputs[0], Temperature(), labels, 40, True)
-    g = torch.ones(n, device=device)
-    out = torch.empty_like(inputs[0])
-
-    def grad(i, temp, g_entropy):
-        engine.grad(inputs[i % 2], temp, labels, 0, vocab, stats.row_max, stats.log_sum, stats.entropy, g,
-                    g_entropy, out)
-
-    for label, temp in temps:
-        times[f"backward_{label}_ms"] = _median_ms(lambda i, t=temp: grad(i, t, None), reps, device)
-    times["backward_t1_entropy_ms"] = _median_ms(lambda i: grad(i, Temperature(), g), reps, device)
-    return times
+def sweep_variants(smoke: bool) -> list[dict]:
+    """Overrides of `LaunchConfig` to time (the first is the default)."""
+    if smoke:
+        return [{}, {"chunk": 512, "width": 512}]
+    forward = [{}, {"two_pass": True}, {"programs_per_sm": 0}]
+    forward += [{"chunk": c, "width": min(c, w), "warps": wp, "programs_per_sm": p}
+                for c, w, wp, p in [(4096, 4096, 8, 1), (4096, 4096, 8, 4), (8192, 8192, 8, 2), (8192, 8192, 16, 2),
+                                    (2048, 2048, 4, 4), (2048, 2048, 4, 8), (4096, 1024, 8, 2), (8192, 8192, 16, 1)]]
+    forward += [{"two_pass": True, "chunk": 8192, "width": 8192, "warps": 16, "programs_per_sm": 1},
+                {"quant": 0}]
+    backward = [{"grad_block": b, "grad_warps": w} for b, w in [(8192, 8), (2048, 4), (4096, 4), (8192, 16)]]
+    return forward + backward
 
 
-def run_sweep(args, device, bandwidth) -> list[dict]:
-    from rl_logp.kernels.fused_engine import FusedConfig, FusedEngine
-    from rl_logp.kernels.fused_forward import DIV_RECIPROCAL, QUANT_CAST
+def run_sweep(args, device, bandwidth, report: Report) -> None:
+    """Each variant's forward (T=1, T=0.7, with entropy) and backward (same three), engine-level calls."""
+    from rl_logp.engines import RowStats
+    from rl_logp.engines.fused import FusedEngine
+    from rl_logp.kernels.launch import LaunchConfig
+    from rl_logp.request import prepare_inputs
 
     n = args.rows[-1]
     inputs, labels = make_inputs(n, args.vocab, device, 7)
-    base = FusedConfig()
-    pipe = [dataclasses.replace(base, pipeline_chunk=c, pipeline_warps=w, pipeline_programs_per_sm=p, pipeline_stages=st)
-            for c, w, p, st in [(8192, 16, 1, 1), (16384, 16, 1, 1), (16384, 32, 1, 1), (8192, 32, 1, 1),
-                                (4096, 16, 1, 1), (8192, 16, 2, 1), (8192, 16, 1, 2), (16384, 32, 1, 2)]]
-    segmented = dataclasses.replace(base, pipeline_min_rows=1 << 40)
-    variants = [base, *pipe, dataclasses.replace(base, quant=QUANT_CAST), dataclasses.replace(base, div=DIV_RECIPROCAL),
-                dataclasses.replace(segmented, seg=8192, chunk=2048),
-                *[dataclasses.replace(segmented, seg=262144, chunk=4096, warps=8, programs_per_sm=p) for p in (2, 4, 8)],
-                *[dataclasses.replace(base, grad_block=b, grad_warps=w) for b, w in [(8192, 8), (2048, 4), (4096, 4)]]]
-    if args.smoke:
-        variants = variants[:2]
+    cfg_settings = rl_logp.resolve_config(None)
+    g = torch.ones(n, device=device)
+    out = torch.empty_like(inputs[0])
     elem_bytes = n * args.vocab * 2
-    results = []
-    for cfg in variants:
-        engine = FusedEngine(cfg)
-        name = ",".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
-                        if getattr(cfg, f.name) != getattr(base, f.name)) or "default"
-        row = {"suite": "sweep", "provider": f"fused[{name}]", "rows": n, "vocab": args.vocab,
-               "floor": {"forward_ms": elem_bytes / bandwidth * 1e3, "backward_ms": 2 * elem_bytes / bandwidth * 1e3}}
+    floor = {"forward_ms": elem_bytes / bandwidth * 1e3, "backward_ms": 2 * elem_bytes / bandwidth * 1e3}
+    for overrides in sweep_variants(args.smoke):
+        engine = FusedEngine(dataclasses.replace(LaunchConfig(), **overrides))
+        row = {"suite": "sweep", "provider": json.dumps(overrides) if overrides else "default", "rows": n,
+               "vocab": args.vocab, "floor": floor}
         try:
-            row.update(time_variant(engine, inputs, labels, args.vocab, args.reps, device))
+            for label, temperature, entropy in (("t1", None, False), ("t07", 0.7, False), ("t1_entropy", None, True)):
+                reqs = [prepare_inputs(x, labels, temperature).request(cfg_settings, "fused", entropy=entropy,
+                                                                       normalizer=True) for x in inputs]
+                row[f"forward_{label}_ms"] = median_ms(lambda i, r=reqs, e=engine: e.row_stats(r[i % 2]), args.reps, device)
+                s = engine.row_stats(reqs[0])
+                stats = RowStats(row_max=s.row_max, log_sum=s.log_sum, entropy=s.entropy)
+                row[f"backward_{label}_ms"] = median_ms(
+                    lambda i, r=reqs, st=stats, e=entropy, eng=engine: eng.grad(r[i % 2], st, g, g if e else None, out),
+                    args.reps, device)
         except Exception as err:
             row["error"] = f"{type(err).__name__}: {err}"
-        results.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "floor"}), flush=True)
-    return results
+        report.add(row)
 
 
-def run_rollout(args, device) -> list[dict]:
-    """One call per decode step, as vLLM's sampler makes it: wall time with launches, synchronized."""
-    lp, _ = logp_providers(device, args.smoke)
-    calls = {name: lp[name] for name in ("fused", "torch", "flash_attn") if name in lp}
-    results = []
+def run_rollout(args, device, report: Report) -> None:
+    """One call per decode step: wall and host time per call over a loop, and CUDA time per call."""
+    providers, _ = logp_providers(args.smoke)
+    calls = {name: providers[name] for name in ("rl_logp", "torch log_softmax+gather", "flash_attn CE")
+             if name in providers}
     for n in ([1, 8] if args.smoke else [1, 8, 64, 256, 1024]):
         inputs, labels = make_inputs(n, args.vocab, device, 100 + n)
         for temperature in (None, 0.7):
@@ -294,129 +321,56 @@ def run_rollout(args, device) -> list[dict]:
                 row = {"suite": "rollout", "provider": name, "rows": n, "vocab": args.vocab, "temperature": temperature}
                 try:
                     with torch.no_grad():
-                        for _ in range(5):
-                            fn(inputs[0], labels, temperature)
+                        for _ in range(10):
+                            fn(inputs[0], labels, temperature, False)
                         _sync(device)
-                        walls = []
+                        t0 = time.perf_counter()
                         for i in range(args.rollout_reps):
-                            t0 = time.perf_counter()
-                            fn(inputs[i % 2], labels, temperature)
-                            _sync(device)
-                            walls.append((time.perf_counter() - t0) * 1e6)
-                        row["wall_us"] = statistics.median(walls)
-                        row["cuda_us"] = _median_ms(
-                            lambda i, f=fn, t=temperature, xs=inputs, y=labels: f(xs[i % 2], y, t),
-                            args.rollout_reps, device) * 1e3
+                            fn(inputs[i % 2], labels, temperature, False)
+                        row["host_us"] = (time.perf_counter() - t0) / args.rollout_reps * 1e6
+                        _sync(device)
+                        row["wall_us"] = (time.perf_counter() - t0) / args.rollout_reps * 1e6
+                        row["cuda_us"] = median_ms(lambda i, f=fn, t=temperature, xs=inputs, y=labels: f(xs[i % 2], y, t, False),
+                                                   args.rollout_reps, device) * 1e3
                 except Exception as err:
                     row["error"] = f"{type(err).__name__}: {err}"
-                results.append(row)
-                print(json.dumps(row), flush=True)
-    return results
+                report.add(row)
 
 
-def _timed_call(engine, kind: str, inputs: list[torch.Tensor], labels: torch.Tensor, temp, vocab: int):
-    """fn(i) running one forward or backward of `engine` on input set i % 2."""
-    if kind == "forward":
-        return lambda i: engine.row_stats(inputs[i % 2], temp, labels, 40, False)
-    stats = engine.row_stats(inputs[0], temp, labels, 40, False)
-    g, out = torch.ones(labels.shape[0], device=labels.device), torch.empty_like(inputs[0])
-    return lambda i: engine.grad(inputs[i % 2], temp, labels, 0, vocab, stats.row_max, stats.log_sum, None, g, None,
-                                 out)
+def run_tp(args, device, report: Report) -> None:
+    """Wall time per call of a vocab-parallel call in each agreement mode (the group: this process alone)."""
+    import torch.distributed as dist
 
-
-def run_autotune(args, device, bandwidth) -> list[dict]:
-    """Time forward and backward variants of the fused kernels at the largest N, pick the fastest
-    (forward: T = 1 plus T = 0.7; backward likewise), write the choice as RL_LOGP_FUSED_CONFIG JSON to
-    --tuned (later stages of the device run export it) and use it for the rest of this run."""
-    from rl_logp import backends
-    from rl_logp.kernels import fused_engine
-    from rl_logp.kernels.fused_forward import DIV_IEEE, DIV_RECIPROCAL
-    from rl_logp.temperature import Temperature
-
-    n = args.rows[-1]
-    inputs, labels = make_inputs(n, args.vocab, device, 11)
-    base = fused_engine.FusedConfig()
-    segmented = {"pipeline_min_rows": 1 << 40}
-    forward = [{**segmented, "seg": 262144, "chunk": c, "warps": w, "programs_per_sm": p}
-               for c, w, p in [(4096, 8, 8), (4096, 8, 4), (8192, 16, 4)]]
-    forward += [{**segmented, "seg": 8192, "chunk": 2048},
-                {"pipeline_chunk": 16384, "pipeline_warps": 32, "pipeline_programs_per_sm": 1}]
-    backward = [{"grad_block": b, "grad_warps": w} for b, w in [(4096, 8), (8192, 8), (2048, 4)]]
-    if args.smoke:
-        forward, backward = forward[:1], backward[:1]
-    temps = (Temperature(), Temperature(scalar=0.7))
-    results, best = [], {}
-    for kind, variants in (("forward", forward), ("backward", backward)):
-        for div in (DIV_IEEE, DIV_RECIPROCAL):
-            for overrides in variants:
-                cfg = dataclasses.replace(base, div=div, **overrides)
-                engine = fused_engine.FusedEngine(cfg)
-                row = {"suite": "autotune", "kind": kind, "config": {**overrides, "div": div}, "rows": n}
-                try:
-                    times = [_median_ms(_timed_call(engine, kind, inputs, labels, t, args.vocab), args.reps, device)
-                             for t in temps]
-                    row.update(t1_ms=times[0], t07_ms=times[1])
-                    if (kind, div) not in best or sum(times) < best[kind, div][0]:
-                        best[kind, div] = (sum(times), overrides)
-                except Exception as err:
-                    row["error"] = f"{type(err).__name__}: {err}"
-                results.append(row)
-                print(json.dumps(row), flush=True)
-    # one division for both kernels: the one with the smaller best forward + best backward
-    div = min((DIV_IEEE, DIV_RECIPROCAL), key=lambda d: best["forward", d][0] + best["backward", d][0])
-    chosen = {**best["forward", div][1], **best["backward", div][1], "div": div}
-    os.environ[fused_engine.TUNING_VARIABLE] = json.dumps(chosen)
-    backends.make_engine.cache_clear()
-    if args.tuned:
-        with open(args.tuned, "w") as f:
-            json.dump(chosen, f)
-    results.append({"suite": "autotune", "kind": "chosen", "config": chosen})
-    print("chosen fused config:", json.dumps(chosen), flush=True)
-    return results
-
-
-def run_overhead(args, device) -> list[dict]:
-    """Host time per rollout-size call, piece by piece (no sync inside the loop: launches queue up)."""
-    from rl_logp.config import resolve_config
-    from rl_logp.kernels.fused_engine import FusedEngine
-    from rl_logp.temperature import Temperature
-    from rl_logp.validation import prepare_inputs
-
-    inputs, labels = make_inputs(8, args.vocab, device, 5)
-    x = inputs[0]
-    engine = FusedEngine()
-    temp = Temperature(scalar=0.7)
-    pieces = {
-        "rl_logp.logprobs (no grad)": lambda: rl_logp.logprobs(x, labels, temperature=0.7),
-        "resolve_config": lambda: resolve_config(None),
-        "prepare_inputs": lambda: prepare_inputs(x, labels, 0.7),
-        "FusedEngine.row_stats (allocs + launch)": lambda: engine.row_stats(x, temp, labels, 40, False),
-        "torch.zeros(34)": lambda: torch.zeros(34, dtype=torch.int64, device=device),
-        "log_softmax + gather": lambda: torch.log_softmax(x.float() / 0.7, -1).gather(1, labels[:, None]),
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, **({"device_id": device} if device.type == "cuda" else {}))
+    calls = {
+        "no tp_group": {},
+        "tp_group, every_call": {"tp_group": dist.group.WORLD, "config": {"tp_agreement": "every_call"}},
+        "tp_group, first_call": {"tp_group": dist.group.WORLD, "config": {"tp_agreement": "first_call"}},
     }
-    results = []
-    with torch.no_grad():
-        for name, fn in pieces.items():
-            for _ in range(10):
-                fn()
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(args.rollout_reps):
-                fn()
-            host = (time.perf_counter() - t0) / args.rollout_reps * 1e6
-            _sync(device)
-            row = {"suite": "overhead", "provider": name, "rows": 8, "host_us": host}
-            results.append(row)
-            print(json.dumps(row), flush=True)
-    return results
+    for n in ([1, 8] if args.smoke else [1, 64, 1024, 8192]):
+        inputs, labels = make_inputs(n, args.vocab, device, 300 + n)
+        for name, kwargs in calls.items():
+            row = {"suite": "tp", "provider": name, "rows": n, "vocab": args.vocab}
+            with torch.no_grad():
+                for _ in range(5):
+                    rl_logp.logprobs(inputs[0], labels, temperature=0.7, **kwargs)
+                _sync(device)
+                reps = max(3, args.rollout_reps // (1 + n // 256))
+                t0 = time.perf_counter()
+                for i in range(reps):
+                    rl_logp.logprobs(inputs[i % 2], labels, temperature=0.7, **kwargs)
+                _sync(device)
+                row["wall_us"] = (time.perf_counter() - t0) / reps * 1e6
+            report.add(row)
 
 
 def print_table(results: list[dict]) -> None:
+    main = [r for r in results if r.get("suite") not in ("sweep", "rollout", "tp")]
     print(f"\n{'suite':20s} {'provider':36s} {'N':>6s} {'fwd ms':>8s} {'x flr':>6s} {'f+b ms':>8s} {'x flr':>6s} "
           f"{'peak GiB':>8s} {'mism':>4s}")
-    for r in results:
-        if r.get("suite") in ("sweep", "rollout", "overhead", "autotune"):
-            continue
+    for r in main:
         if "error" in r:
             print(f"{r['suite']:20s} {r['provider']:36s} {r.get('rows', 0):6d} error: {r['error'][:60]}")
             continue
@@ -427,33 +381,34 @@ def print_table(results: list[dict]) -> None:
     sweep = [r for r in results if r.get("suite") == "sweep" and "error" not in r]
     if sweep:
         keys = [k for k in sweep[0] if k.endswith("_ms")]
-        print(f"\n{'sweep variant':60s} " + " ".join(f"{k.replace('_ms', ''):>18s}" for k in keys))
+        print(f"\n{'sweep variant (x floor)':58s} " + " ".join(f"{k.replace('_ms', ''):>13s}" for k in keys))
         for r in sweep:
-            print(f"{r['provider'][:60]:60s} " + " ".join(f"{r[k]:18.3f}" for k in keys))
+            cells = [r[k] / r["floor"]["forward_ms" if k.startswith("forward") else "backward_ms"] for k in keys]
+            print(f"{r['provider'][:58]:58s} " + " ".join(f"{c:13.2f}" for c in cells))
     for r in results:
-        if r.get("suite") == "overhead":
-            print(f"host per call {r['provider']:45s} {r['host_us']:8.1f} us")
-    for r in results:
-        if r.get("suite") == "autotune" and "t1_ms" in r:
-            print(f"autotune {r['kind']:8s} {json.dumps(r['config'])[:90]:90s} {r['t1_ms']:7.3f} {r['t07_ms']:7.3f}")
+        if r.get("suite") == "sweep" and "error" in r:
+            print(f"sweep {r['provider'][:50]} error: {r['error'][:80]}")
     rollout = [r for r in results if r.get("suite") == "rollout"]
     if rollout:
-        print(f"\n{'rollout call':14s} {'N':>5s} {'T':>4s} {'wall us':>9s} {'cuda us':>9s}")
+        print(f"\n{'rollout call':26s} {'N':>5s} {'T':>4s} {'wall us':>9s} {'host us':>9s} {'cuda us':>9s}")
         for r in rollout:
             if "error" in r:
-                print(f"{r['provider']:14s} {r['rows']:5d} error: {r['error'][:60]}")
+                print(f"{r['provider']:26s} {r['rows']:5d} error: {r['error'][:60]}")
                 continue
-            print(f"{r['provider']:14s} {r['rows']:5d} {r['temperature'] or 1.0:4.1f} {r['wall_us']:9.1f} {r['cuda_us']:9.1f}")
+            print(f"{r['provider']:26s} {r['rows']:5d} {r['temperature'] or 1.0:4.1f} {r['wall_us']:9.1f} "
+                  f"{r['host_us']:9.1f} {r['cuda_us']:9.1f}")
+    for r in results:
+        if r.get("suite") == "tp":
+            print(f"tp agreement {r['provider']:24s} N={r['rows']:5d} {r['wall_us']:9.1f} us per call")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--rollout-reps", type=int, default=200)
-    parser.add_argument("--suites", nargs="+", default=["main", "rollout"], choices=["autotune", "main", "sweep", "rollout", "overhead"])
-    parser.add_argument("--tuned", help="autotune: where to write the chosen RL_LOGP_FUSED_CONFIG JSON")
+    parser.add_argument("--suites", nargs="+", default=["main", "rollout"], choices=["main", "sweep", "rollout", "tp"])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (fused under TRITON_INTERPRET=1)")
     parser.add_argument("--out", default="benchmarks/results/bench_logp.json")
     args = parser.parse_args()
@@ -462,18 +417,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth (read+write): {bandwidth / 1e12:.3f} TB/s on {device}", flush=True)
-    results = []
-    if "autotune" in args.suites:
-        results += run_autotune(args, device, bandwidth)
-    if "main" in args.suites:
-        results += run_main(args, device, bandwidth)
-    if "sweep" in args.suites:
-        results += run_sweep(args, device, bandwidth)
-    if "rollout" in args.suites:
-        results += run_rollout(args, device)
-    if "overhead" in args.suites:
-        results += run_overhead(args, device)
-    report = {
+    report = Report(args.out, {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
@@ -481,12 +425,16 @@ def main() -> None:
         "copy_bandwidth_Bps": bandwidth,
         "command": " ".join(sys.argv),
         "fused_config": os.environ.get("RL_LOGP_FUSED_CONFIG", ""),
-        "results": results,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print_table(results)
+    })
+    if "sweep" in args.suites:
+        run_sweep(args, device, bandwidth, report)
+    if "rollout" in args.suites:
+        run_rollout(args, device, report)
+    if "tp" in args.suites:
+        run_tp(args, device, report)
+    if "main" in args.suites:
+        run_main(args, device, bandwidth, report)
+    print_table(report.rows)
 
 
 if __name__ == "__main__":

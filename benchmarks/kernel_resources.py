@@ -3,8 +3,9 @@
 Triton's wheel carries ptxas and nvdisasm, so this runs on any x86-64 machine: it is how the launch
 parameters were chosen before spending device time. For each configuration it prints registers per
 thread, spill bytes, the programs one SM can hold (by registers and warps), and the SASS instructions
-per logit (the static instructions one thread runs per work item, times the threads, over the
-logits of the item: exact for straight-line code, fixed per-item costs included; a loop counts once).
+per logit (the static instructions of the kernel, times the threads, over the logits of one tile: the
+loop bodies run once per tile, so this counts the per-row code, which runs once per row, as if it ran
+per tile: an upper bound that orders the variants).
 
     python benchmarks/kernel_resources.py
 """
@@ -22,8 +23,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from rl_logp.kernels import fused_backward, fused_forward
-from rl_logp.kernels.fused_engine import split_constants
+from rl_logp.kernels import fixed_point, grad, row_stats
+from rl_logp.kernels.fixed_point import split_constants
 
 TARGET = GPUTarget("cuda", 90, 32)
 DIV16 = [["tt.divisibility", 16]]
@@ -71,29 +72,27 @@ def programs_per_sm(regs: int, warps: int) -> int:
     return min(65536 // (regs_per_warp * warps), 64 // warps, 32)
 
 
-def forward(seg: int, chunk: int, warps: int, quant: int, entropy: bool, temp_mode: int, div: int = 0,
+def forward(chunk: int, width: int, warps: int, quant: int, entropy: bool, temp_mode: int, div: int = 0,
             dtype: str = "bf16"):
-    width = min(2048, chunk)
+    """The whole-row forward kernel, finishing rows (logp, lse, M, L and, with `entropy`, the entropy)."""
     sig = {
-        "X": f"*{dtype}", "stride_x": "i32", "LABELS": "*i64", "t_scalar": "fp32", "WS": "*i64",
-        "PART_MAX": "*fp32", "OUT_MAX": "*fp32", "OUT_LOGSUM": "*fp32", "OUT_LSE": "*fp32",
-        "OUT_LOGP": "*fp32", "OUT_ENT": "*fp32", "n_rows": "i32", "n_cols": "i32", "n_seg": "i32",
-        "ticket_slot": "i32", "q_scale": "fp32", "log_scale": "fp32",
+        "X": f"*{dtype}", "stride_x": "i32", "LABELS": "*i64", "t_scalar": "fp32", "OUT_MAX": "*fp32",
+        "OUT_LOGSUM": "*fp32", "OUT_LSE": "*fp32", "OUT_LOGP": "*fp32", "OUT_ENT": "*fp32", "n_rows": "i32",
+        "n_cols": "i32", "q_scale": "fp32", "log_scale": "fp32",
     }
     const = {
-        "TEMP": None, "MAX_IN": None, "TEMP_MODE": temp_mode, "DIV": div, "PHASE": 3, "FINALIZE": True,
-        "LOGP": True, "ENTROPY": entropy, "MAX_FROM_INPUT": False, "SEG": seg, "CHUNK": chunk, "WIDTH": width,
-        "NSEG_POW2": triton.next_power_of_2(triton.cdiv(151936, seg)), "QUANT": quant,
-        **split_constants(40, 20),
+        "TEMP": None, "MAX_IN": None, "OUT_S": None, "OUT_E": None, "MAX_FROM": row_stats.MAX_SCAN.value,
+        "RESULT": row_stats.RESULT_ROW.value, "TEMP_MODE": temp_mode, "DIV": div, "ENTROPY": entropy,
+        "CHUNK": chunk, "WIDTH": width, "QUANT": quant,
+        **dict(zip(("HI_BIAS", "LO_BIAS", "LO_BITS", "HI_PATTERN", "LO_PATTERN"), split_constants(40), strict=True)),
     }
-    if temp_mode == fused_forward.TEMP_ROWS:
+    if temp_mode == fixed_point.TEMP_ROWS.value:
         del const["TEMP"]
         sig["TEMP"] = "*fp32"
     if not entropy:
         const["OUT_ENT"] = None
         del sig["OUT_ENT"]
-    return compile_kernel(fused_forward._row_stats_kernel, sig, const, warps,
-                          ["X", "stride_x", "n_cols", "WS", "PART_MAX"])
+    return compile_kernel(row_stats.row_stats_kernel, sig, const, warps, ["X", "stride_x", "n_cols"])
 
 
 def backward(block: int, warps: int, entropy: bool, temp_mode: int, div: int = 0):
@@ -104,7 +103,7 @@ def backward(block: int, warps: int, entropy: bool, temp_mode: int, div: int = 0
         "stride_g_h": "i32", "n_cols": "i32",
     }
     const = {"TEMP": None, "TEMP_MODE": temp_mode, "DIV": div, "LOGP": True, "ENTROPY": entropy, "BLOCK": block}
-    return compile_kernel(fused_backward._grad_kernel, sig, const, warps, ["X", "DX", "stride_x", "stride_dx", "n_cols"])
+    return compile_kernel(grad.grad_kernel, sig, const, warps, ["X", "DX", "stride_x", "stride_dx", "n_cols"])
 
 
 def main() -> None:
@@ -114,23 +113,25 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{'kernel':58s} {'regs':>4s} {'spill':>5s} {'prog/SM':>7s} {'SASS/logit':>10s} {'MUFU':>5s} {'F2I':>4s}")
     rows = []
-    fwd = fused_forward
-    configs = [(4096, 4096, 4), (8192, 8192, 8), (8192, 2048, 4), (16384, 4096, 8)]
-    for seg, chunk, warps in configs[: 1 if args.quick else None]:
-        for quant in (fwd.QUANT_SPLIT, fwd.QUANT_CAST):
+    fp = fixed_point
+    modes = ((fp.TEMP_NONE.value, 0), (fp.TEMP_SCALAR.value, fp.DIV_IEEE.value),
+             (fp.TEMP_SCALAR.value, fp.DIV_RECIPROCAL.value))
+    configs = [(4096, 4096, 8), (8192, 8192, 16), (2048, 2048, 4), (4096, 1024, 8)]
+    for chunk, width, warps in configs[: 1 if args.quick else None]:
+        for quant in (fp.QUANT_SPLIT.value, fp.QUANT_CAST.value):
             for entropy in (False, True):
-                for temp, div in ((fwd.TEMP_NONE, 0), (fwd.TEMP_SCALAR, fwd.DIV_IEEE), (fwd.TEMP_SCALAR, fwd.DIV_RECIPROCAL)):
-                    name = f"fwd seg={seg} chunk={chunk} w={warps} q={quant} ent={int(entropy)} T={temp} div={div}"
-                    rows.append((name, forward(seg, chunk, warps, quant, entropy, temp, div), seg, warps))
+                for temp, div in modes:
+                    name = f"fwd chunk={chunk} width={width} w={warps} q={quant} ent={int(entropy)} T={temp} div={div}"
+                    rows.append((name, forward(chunk, width, warps, quant, entropy, temp, div), chunk, warps))
     for block, warps in [(4096, 8), (8192, 16), (2048, 4)][: 1 if args.quick else None]:
         for entropy in (False, True):
-            for temp, div in ((fwd.TEMP_NONE, 0), (fwd.TEMP_SCALAR, fwd.DIV_IEEE), (fwd.TEMP_SCALAR, fwd.DIV_RECIPROCAL)):
+            for temp, div in modes:
                 rows.append((f"bwd block={block} w={warps} ent={int(entropy)} T={temp} div={div}",
                              backward(block, warps, entropy, temp, div), block, warps))
     for name, k, elems, warps in rows:
         mix = sass_mix(k)
         regs, local = registers(k)
-        per_logit = 32 * warps / elems  # straight-line code: each thread runs every instruction once per item
+        per_logit = 32 * warps / elems  # each thread runs a loop body once per tile of `elems` logits
         print(f"{name:58s} {regs:4d} {local:5d} {programs_per_sm(regs, warps):7d} "
               f"{sum(mix.values()) * per_logit:10.2f} {mix['MUFU'] * per_logit:5.2f} {mix['F2I'] * per_logit:4.2f}")
         if args.show:

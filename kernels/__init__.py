@@ -1,7 +1,10 @@
-"""GPU kernels of rl-logp, installed as `rl_logp.kernels`.
+"""GPU kernels of rl-logp, installed as `rl_logp.kernels`. They take tensors and integers and import
+nothing from the package above them.
 
-`fused_forward`: the Triton kernels of the forward (row statistics: max, the int64 fixed-point sums, and
-the finished logp / lse / entropy); `fused_backward`: the row-local gradient of logp and/or entropy;
-`fused_engine`: `FusedEngine`, which launches them, and its launch parameters `FusedConfig`. Importing this
+`fixed_point`: the contract's arithmetic in Triton (exact exp/log, the temperature division, the exact
+fixed-point sums), shared by the kernels; `row_stats`: the forward kernel (row max, sums, the finished
+logp / lse / entropy); `grad`: the backward kernel (the row-local gradient of logp and/or entropy);
+`launch`: their launches and launch parameters (`LaunchConfig`); `launcher`: `CachedKernel`, which binds a
+compiled kernel once per specialization so a launch costs a few microseconds of host time. Importing this
 package never needs a GPU; importing its modules needs Triton.
 """

@@ -2,16 +2,17 @@
 
 Public API (`rl_logp.api`): `logprobs`, `entropy`, `logprobs_and_entropy` (autograd), `logsumexp`,
 `log_normalizer`; `apply_top_k_top_p` (the top-k/top-p kept set, `rl_logp.sampling_mask`);
-`LogpConfig` / `resolve_config`; the backend names. Where things live: the contract's
-arithmetic in `rl_logp.contract`, the engines (`rl_logp.engine` interface, `rl_logp.chunked`, the Triton
-kernels in `rl_logp.kernels`), the `torch.library` ops in `rl_logp.ops`, the vocab-parallel provider in
-`rl_logp.vocab_parallel` / `rl_logp.shard_layout`, the verl and vLLM adapters in `rl_logp.integrations`,
-the agreement checker in `rl_logp.check`.
+`LogpConfig` / `resolve_config`; the backend names. Where things live (docs/design.md maps every module):
+a call becomes one `LogpRequest` (`rl_logp.request`), scored by the `torch.library` ops (`rl_logp.ops`)
+through an engine (`rl_logp.engines`: the pure-torch `chunked` engine, and the `fused` engine over the
+Triton kernels of `rl_logp.kernels`); the contract's arithmetic is `rl_logp.contract`; the vocab-parallel
+forward and the TP agreement are `rl_logp.vocab_parallel` / `rl_logp.shard_layout`; the verl and vLLM
+adapters are `rl_logp.integrations`; the agreement checker is `rl_logp.check`.
 """
 
 from rl_logp.api import entropy, log_normalizer, logprobs, logprobs_and_entropy, logsumexp
-from rl_logp.backends import fused_runs_on, resolve_backend
 from rl_logp.config import BACKENDS, INVARIANT_BACKENDS, LogpConfig, resolve_config
+from rl_logp.engines import fused_runs_on, resolve_backend
 from rl_logp.sampling_mask import apply_top_k_top_p
 
 __all__ = [
@@ -28,4 +29,4 @@ __all__ = [
     "resolve_backend",
     "resolve_config",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -1,116 +1,138 @@
 """The public functions: `logprobs`, `entropy`, `logprobs_and_entropy`, `logsumexp`, `log_normalizer`.
 
-Each validates its inputs (`rl_logp.validation`), resolves the backend (`rl_logp.backends`) and calls
-the `rl_logp::*` ops (`rl_logp.ops`), or the vocab-parallel provider with a `tp_group`
-(`rl_logp.vocab_parallel`), or a non-invariant baseline (`rl_logp.baselines`). On the eager path with
-nothing to differentiate, the ops' bodies are called directly: the dispatcher would only add latency to
-the rollout-size calls vLLM makes at every decode step.
+Each turns its arguments into one `LogpRequest` (`_request`: the config, the validated inputs, the
+backend, and with a `tp_group` the agreed vocabulary shard) and scores it: through the ops
+(`rl_logp.ops.row_stats`) for the invariant engines, or a non-invariant baseline (`rl_logp.baselines`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
 
 from rl_logp import baselines, ops
-from rl_logp.backends import INVARIANT_ENGINES, resolve_backend
 from rl_logp.config import LogpConfig, resolve_config
+from rl_logp.engines import INVARIANT_ENGINES, RowStats, resolve_backend
+from rl_logp.request import LogpRequest, prepare_inputs
 from rl_logp.shard_layout import LocalLayout, agree
-from rl_logp.validation import PreparedInputs, check_vocab_fits, prepare_inputs
-from rl_logp.vocab_parallel import vocab_parallel_stats
+from rl_logp.validation import check_vocab_fits
 
 
-def _in_graph(x: torch.Tensor) -> bool:
-    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and x.requires_grad)
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The keyword arguments every public function shares (see `logprobs`)."""
+
+    backend: str | None = None
+    tp_group: dist.ProcessGroup | None = None
+    vocab_start: int | None = None
+    vocab_size: int | None = None
+    config: LogpConfig | dict | None = None
+    chunk_bytes: int | None = None
+    fixed_point_bits: int | None = None
+    strict: bool | None = None
 
 
-def _inplace_allowed(logits: torch.Tensor, inplace_backward: bool) -> bool:
-    """inplace_backward is honoured unless the logits are a leaf (their storage is the user's tensor:
-    the gradient would overwrite it and alias `.grad`) or under torch.compile (functionalisation would
-    copy the buffer back anyway); both fall back to a new gradient buffer."""
-    return bool(inplace_backward) and not logits.is_leaf and not torch.compiler.is_compiling()
+def _config(opts: Options) -> LogpConfig:
+    return resolve_config(opts.config, backend=opts.backend, chunk_bytes=opts.chunk_bytes,
+                          fixed_point_bits=opts.fixed_point_bits, strict=opts.strict)
 
 
-def _empty_result(inputs: PreparedInputs, logits: torch.Tensor) -> torch.Tensor:
-    keep_graph = (logits.sum() * 0).to(torch.float32)  # an empty batch still connects to the graph
-    return torch.zeros(inputs.lead_shape, dtype=torch.float32, device=logits.device) + keep_graph
-
-
-def _row_stats(inputs: PreparedInputs, cfg: LogpConfig, engine: str, entropy: bool, inplace: bool):
-    x, temp = inputs.logits, inputs.temperature
-    args = (x, inputs.labels, temp.rows, temp.scalar, cfg.fixed_point_bits, engine, cfg.chunk_bytes, entropy)
-    if _in_graph(x):
-        return torch.ops.rl_logp.row_stats(*args, inplace)
-    return ops.row_stats_impl(*args)
-
-
-def _prepare(logits, labels, temperature, config, backend, chunk_bytes, fixed_point_bits, strict=None):
-    """(config, validated inputs, resolved backend name): the set-up every public function shares."""
-    cfg = resolve_config(config, backend=backend, chunk_bytes=chunk_bytes, fixed_point_bits=fixed_point_bits,
-                         strict=strict)
-    inputs = prepare_inputs(logits, labels, temperature)
-    return cfg, inputs, resolve_backend(cfg.backend, inputs.logits.device)
-
-
-def _score(logits, labels, *, entropy: bool, want_logp: bool, backend, temperature, tp_group, vocab_start,
-           vocab_size, inplace_backward, config, chunk_bytes, fixed_point_bits, strict):
-    """(logp or None, entropy or None), each of the logits' row shape."""
-    if tp_group is not None:
-        return _score_vocab_parallel(logits, labels if want_logp else None, entropy, backend, temperature,
-                                     tp_group, vocab_start, vocab_size, inplace_backward, config, chunk_bytes,
-                                     fixed_point_bits, strict)
-    if vocab_start is not None or vocab_size is not None:
+def _request(logits, labels, temperature, opts: Options, *, entropy: bool, normalizer: bool,
+             inplace_backward: bool) -> LogpRequest:
+    if opts.tp_group is not None:
+        return _vocab_parallel_request(logits, labels, temperature, opts, entropy=entropy, normalizer=normalizer,
+                                       inplace_backward=inplace_backward)
+    if opts.vocab_start is not None or opts.vocab_size is not None:
         raise ValueError("rl_logp: vocab_start/vocab_size describe a vocab split; pass tp_group with them")
-    cfg, inputs, name = _prepare(logits, labels if want_logp else None, temperature, config, backend, chunk_bytes,
-                                 fixed_point_bits, strict)
+    cfg = _config(opts)
+    inputs = prepare_inputs(logits, labels, temperature)
+    engine = resolve_backend(cfg.backend, inputs.logits.device)
     check_vocab_fits(inputs.logits.shape[1], cfg.fixed_point_bits)
-    if name not in INVARIANT_ENGINES:
-        return baselines.score(name, inputs, entropy=entropy, want_logp=want_logp, inplace_backward=inplace_backward)
-    if inputs.logits.shape[0] == 0:
-        empty = _empty_result(inputs, logits)
-        return (empty if want_logp else None), (empty.clone() if entropy else None)
-    logp, ent, _, _, _ = _row_stats(inputs, cfg, name, entropy, _inplace_allowed(logits, inplace_backward))
-    shape = inputs.lead_shape
-    return (logp.reshape(shape) if want_logp else None), (ent.reshape(shape) if entropy else None)
+    return inputs.request(cfg, engine, entropy=entropy, normalizer=normalizer,
+                          inplace_backward=_inplace_allowed(logits, inplace_backward))
 
 
-def _score_vocab_parallel(logits, labels, entropy, backend, temperature, tp_group, vocab_start, vocab_size,
-                          inplace_backward, config, chunk_bytes, fixed_point_bits, strict):
-    if not isinstance(tp_group, dist.ProcessGroup):
-        raise TypeError(f"rl_logp: tp_group must be a torch.distributed.ProcessGroup, got {type(tp_group).__name__}")
-    local = LocalLayout(vocab_start=vocab_start, vocab_size=vocab_size)
+def _vocab_parallel_request(logits, labels, temperature, opts: Options, *, entropy: bool, normalizer: bool,
+                            inplace_backward: bool) -> LogpRequest:
+    """The request of this rank's shard, after every rank agreed on the layout (`rl_logp.shard_layout`):
+    a failure of any rank's set-up reaches the agreement, so every rank raises instead of a peer waiting."""
+    group = opts.tp_group
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"rl_logp: tp_group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+    local = LocalLayout(vocab_start=opts.vocab_start, vocab_size=opts.vocab_size)
+    mode = "every_call"
     try:
-        cfg, inputs, name = _prepare(logits, labels, temperature, config, backend, chunk_bytes, fixed_point_bits,
-                                     strict)
+        cfg = _config(opts)
+        mode = cfg.tp_agreement
+        inputs = prepare_inputs(logits, labels, temperature)
         x = inputs.logits
         local.device = x.device
-        if name == "flash_attn":
-            raise ValueError("rl_logp: backend='flash_attn' has no vocab-parallel form; use 'fused' or 'chunked'")
-        if name == "torch" and torch.is_grad_enabled() and x.requires_grad:
-            raise ValueError(
-                "rl_logp: backend='torch' with tp_group is a forward-only diagnostic (Megatron-style float "
-                "sums); use backend='fused' or 'chunked' for gradients, or call it under torch.no_grad()"
-            )
-        if name == "torch" and entropy:
-            raise ValueError("rl_logp: backend='torch' has no vocab-parallel entropy; use 'fused' or 'chunked'")
-        local.rows, local.width, local.bits, local.engine = x.shape[0], x.shape[1], cfg.fixed_point_bits, name
+        engine = resolve_backend(cfg.backend, x.device)
+        _check_vocab_parallel(engine, entropy, x)
+        local.rows, local.width, local.bits, local.engine = x.shape[0], x.shape[1], cfg.fixed_point_bits, engine
         local.dtype, local.labels, local.temperature = x.dtype, inputs.labels, inputs.temperature
-    except Exception as err:  # any local failure must reach the all-gather: a peer never waits on a dead rank
+    except Exception as err:
         if isinstance(logits, torch.Tensor):
             local.device = logits.device
         local.error = str(err) if isinstance(err, (TypeError, ValueError)) else f"{type(err).__name__}: {err}"
-    shard = agree(tp_group, local)
+    shard = agree(group, local, mode)
     check_vocab_fits(shard.vocab_size, cfg.fixed_point_bits)
-    if name == "torch":
-        return baselines.vocab_parallel_torch_logprobs(inputs, tp_group, shard.start, shard.vocab_size), None
-    if x.shape[0] == 0:
-        empty = _empty_result(inputs, logits)
-        return (empty if labels is not None else None), (empty.clone() if entropy else None)
-    temp = inputs.temperature
-    logp, ent, _ = vocab_parallel_stats(x, inputs.labels, temp.rows, temp.scalar, cfg.fixed_point_bits, name,
-                                        cfg.chunk_bytes, shard, entropy, _inplace_allowed(logits, inplace_backward))
-    shape = inputs.lead_shape
-    return (logp.reshape(shape) if labels is not None else None), (ent.reshape(shape) if entropy else None)
+    return inputs.request(cfg, engine, entropy=entropy, normalizer=normalizer,
+                          inplace_backward=_inplace_allowed(logits, inplace_backward), shard=shard)
+
+
+def _check_vocab_parallel(engine: str, entropy: bool, x: torch.Tensor) -> None:
+    if engine == "flash_attn":
+        raise ValueError("rl_logp: backend='flash_attn' has no vocab-parallel form; use 'fused' or 'chunked'")
+    if engine == "torch" and torch.is_grad_enabled() and x.requires_grad:
+        raise ValueError(
+            "rl_logp: backend='torch' with tp_group is a forward-only diagnostic (Megatron-style float "
+            "sums); use backend='fused' or 'chunked' for gradients, or call it under torch.no_grad()"
+        )
+    if engine == "torch" and entropy:
+        raise ValueError("rl_logp: backend='torch' has no vocab-parallel entropy; use 'fused' or 'chunked'")
+
+
+def _inplace_allowed(logits: torch.Tensor, inplace_backward: bool) -> bool:
+    """inplace_backward is honoured unless the logits' storage belongs to a leaf (the leaf itself, or a
+    view of one: the gradient would overwrite the user's tensor and alias `.grad`) or under torch.compile
+    (functionalisation would copy the buffer back anyway); both fall back to a new gradient buffer."""
+    if not inplace_backward or torch.compiler.is_compiling():
+        return False
+    base = logits._base if logits._base is not None else logits
+    return not (logits.is_leaf or base.is_leaf)
+
+
+def _score(logits, labels, temperature, opts: Options, *, entropy: bool, normalizer: bool = False,
+           inplace_backward: bool = False) -> tuple[RowStats, torch.Size]:
+    """The request's statistics (each [N]) and the logits' row shape."""
+    req = _request(logits, labels, temperature, opts, entropy=entropy, normalizer=normalizer,
+                   inplace_backward=inplace_backward)
+    if req.engine not in INVARIANT_ENGINES:
+        if req.shard is not None:
+            return RowStats(logp=baselines.vocab_parallel_torch_logprobs(req)), req.lead_shape
+        return baselines.row_stats(req), req.lead_shape
+    if req.rows == 0:
+        return _empty(req, logits), req.lead_shape
+    stats = ops.row_stats(req)
+    disagreement = None if req.shard is None else req.shard.disagreement
+    if disagreement is not None:
+        stats = RowStats(**{f.name: _poisoned(getattr(stats, f.name), disagreement) for f in dataclasses.fields(stats)})
+    return stats, req.lead_shape
+
+
+def _poisoned(t: torch.Tensor | None, disagreement: torch.Tensor) -> torch.Tensor | None:
+    """NaN everywhere when the TP ranks disagreed on this call (found on the device, see shard_layout)."""
+    return None if t is None else torch.where(disagreement, float("nan"), t)
+
+
+def _empty(req: LogpRequest, logits: torch.Tensor) -> RowStats:
+    """An empty batch's statistics, still connected to the autograd graph of the logits."""
+    zero = (logits.sum() * 0).to(torch.float32)
+    empty = lambda: torch.zeros(0, dtype=torch.float32, device=req.logits.device) + zero  # noqa: E731
+    return RowStats(row_max=empty(), log_sum=empty(), lse=empty(), logp=empty(), entropy=empty())
 
 
 def logprobs(
@@ -139,15 +161,13 @@ def logprobs(
         a tensor temperature that is not finite and > 0 is scored as NaN (no host sync to check it).
     tp_group, vocab_start, vocab_size: vocab-parallel layout (see `rl_logp.shard_layout`).
     inplace_backward: write dlogits into the logits' storage (no logits-sized buffer). Ignored (a new
-        buffer) for leaf logits and under torch.compile; a later use of overwritten logits raises
-        autograd's in-place error.
+        buffer) when that storage belongs to a leaf tensor (the leaf or a view of it) and under
+        torch.compile; a later use of overwritten logits raises autograd's in-place error.
     Differentiable with respect to `logits`.
     """
-    logp, _ = _score(logits, labels, entropy=False, want_logp=True, backend=backend, temperature=temperature,
-                     tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
-                     inplace_backward=inplace_backward, config=config, chunk_bytes=chunk_bytes,
-                     fixed_point_bits=fixed_point_bits, strict=strict)
-    return logp
+    opts = Options(backend, tp_group, vocab_start, vocab_size, config, chunk_bytes, fixed_point_bits, strict)
+    stats, shape = _score(logits, labels, temperature, opts, entropy=False, inplace_backward=inplace_backward)
+    return stats.logp.reshape(shape)
 
 
 def entropy(
@@ -166,10 +186,9 @@ def entropy(
     """Entropy of `softmax(logits / temperature)` per row, fp32, differentiable, batch-, chunk- and
     TP-invariant (H = log S' - E'/S' from two int64 fixed-point sums). Fully -inf rows give 0; rows holding
     NaN or +inf give NaN. Arguments as in `logprobs`."""
-    _, ent = _score(logits, None, entropy=True, want_logp=False, backend=backend, temperature=temperature,
-                    tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size, inplace_backward=False,
-                    config=config, chunk_bytes=chunk_bytes, fixed_point_bits=fixed_point_bits, strict=strict)
-    return ent
+    opts = Options(backend, tp_group, vocab_start, vocab_size, config, chunk_bytes, fixed_point_bits, strict)
+    stats, shape = _score(logits, None, temperature, opts, entropy=True)
+    return stats.entropy.reshape(shape)
 
 
 def logprobs_and_entropy(
@@ -189,24 +208,19 @@ def logprobs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs, entropy) of the same logits from one read, with one combined backward (one read and one
     write of the logits for both gradients). The same bits as the two separate calls."""
-    return _score(logits, labels, entropy=True, want_logp=True, backend=backend, temperature=temperature,
-                  tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
-                  inplace_backward=inplace_backward, config=config, chunk_bytes=chunk_bytes,
-                  fixed_point_bits=fixed_point_bits, strict=strict)
+    opts = Options(backend, tp_group, vocab_start, vocab_size, config, chunk_bytes, fixed_point_bits, strict)
+    stats, shape = _score(logits, labels, temperature, opts, entropy=True, inplace_backward=inplace_backward)
+    return stats.logp.reshape(shape), stats.entropy.reshape(shape)
 
 
-def _normalizer(logits, backend, temperature, config, chunk_bytes, fixed_point_bits):
-    cfg, inputs, name = _prepare(logits, None, temperature, config, backend, chunk_bytes, fixed_point_bits)
-    if name not in INVARIANT_ENGINES:
-        raise ValueError(f"rl_logp: this function needs an invariant backend (fused/chunked/auto), got {name!r}")
-    check_vocab_fits(inputs.logits.shape[1], cfg.fixed_point_bits)
-    if inputs.logits.shape[0] == 0:
-        empty = torch.zeros(inputs.lead_shape, dtype=torch.float32, device=inputs.logits.device)
-        return empty, empty, empty.clone()
+def _normalizer(logits, temperature, opts: Options) -> tuple[RowStats, torch.Size]:
     with torch.no_grad():
-        _, _, lse, row_max, log_sum = _row_stats(inputs, cfg, name, False, False)
-    shape = inputs.lead_shape
-    return lse.reshape(shape), row_max.reshape(shape), log_sum.reshape(shape)
+        stats, shape = _score(logits, None, temperature, opts, entropy=False, normalizer=True)
+    if stats.lse is None:
+        raise ValueError(
+            f"rl_logp: this function needs an invariant backend (fused/chunked/auto), got {_config(opts).backend!r}"
+        )
+    return stats, shape
 
 
 def logsumexp(
@@ -220,7 +234,9 @@ def logsumexp(
 ) -> torch.Tensor:
     """The contract's lse = fp32(M + log(S 2^-F)) of each row of `logits / temperature` (fp32, the logits'
     row shape). Not differentiable. For logprobs of other columns use `log_normalizer`."""
-    return _normalizer(logits, backend, temperature, config, chunk_bytes, fixed_point_bits)[0]
+    stats, shape = _normalizer(logits, temperature, Options(backend, config=config, chunk_bytes=chunk_bytes,
+                                                            fixed_point_bits=fixed_point_bits))
+    return stats.lse.reshape(shape)
 
 
 def log_normalizer(
@@ -235,5 +251,6 @@ def log_normalizer(
     """(M, L) per row: the logprob of any column j is `(fp32(logits[..., j]) / T - M) - L`, the bits
     `logprobs` gives for label j. What a provider that scores several columns (vLLM's top-k and full-vocab
     logprobs) subtracts. Not differentiable."""
-    _, row_max, log_sum = _normalizer(logits, backend, temperature, config, chunk_bytes, fixed_point_bits)
-    return row_max, log_sum
+    stats, shape = _normalizer(logits, temperature, Options(backend, config=config, chunk_bytes=chunk_bytes,
+                                                            fixed_point_bits=fixed_point_bits))
+    return stats.row_max.reshape(shape), stats.log_sum.reshape(shape)

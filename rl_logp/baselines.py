@@ -2,7 +2,7 @@
 
 Neither keeps the contract: their float reductions round differently with the batch shape (torch on
 GPU), the tiling, or the TP layout. `rl_logp.check` reports them as diagnostics, never as failures.
-They take the validated inputs of `rl_logp.validation.prepare_inputs`.
+They take a `LogpRequest` (`rl_logp.request`) whose engine names them.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rl_logp.validation import PreparedInputs
+from rl_logp.engines import RowStats
+from rl_logp.request import LogpRequest
 
 FLASH_ATTN_INSTALL_HINT = (
     "backend='flash_attn' needs flash-attn's Triton cross entropy "
@@ -24,23 +25,23 @@ def _masked_labels(labels: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torc
     return in_range, torch.where(in_range, labels, torch.zeros_like(labels))
 
 
-def _scaled(inputs: PreparedInputs) -> torch.Tensor:
-    x, temp = inputs.logits, inputs.temperature
+def _scaled(req: LogpRequest) -> torch.Tensor:
+    x, temp = req.logits, req.temperature
     divisor = temp.divisor(slice(0, x.shape[0]), x.device)
     z = x.float()
     return z if divisor is None else z / (divisor.unsqueeze(1) if divisor.dim() else divisor)
 
 
-def torch_logprobs(inputs: PreparedInputs) -> torch.Tensor:
+def torch_logprobs(req: LogpRequest) -> torch.Tensor:
     """log_softmax in fp32 then gather; out-of-range labels give 0 (and no gradient)."""
-    in_range, safe = _masked_labels(inputs.labels, inputs.logits.shape[1])
-    logp = torch.log_softmax(_scaled(inputs), dim=-1).gather(1, safe.unsqueeze(1)).squeeze(1)
+    in_range, safe = _masked_labels(req.labels, req.logits.shape[1])
+    logp = torch.log_softmax(_scaled(req), dim=-1).gather(1, safe.unsqueeze(1)).squeeze(1)
     return torch.where(in_range, logp, torch.zeros_like(logp))
 
 
-def torch_entropy(inputs: PreparedInputs) -> torch.Tensor:
+def torch_entropy(req: LogpRequest) -> torch.Tensor:
     """logsumexp(z) - sum softmax(z) z, the formula of verl's `entropy_from_logits`."""
-    z = _scaled(inputs)
+    z = _scaled(req)
     p = torch.softmax(z, dim=-1)
     return torch.logsumexp(z, dim=-1) - (p * z).sum(dim=-1)
 
@@ -53,37 +54,33 @@ def load_flash_attn_cross_entropy():
     return cross_entropy_loss
 
 
-def flash_attn_logprobs(inputs: PreparedInputs, inplace_backward: bool) -> torch.Tensor:
+def flash_attn_logprobs(req: LogpRequest, inplace_backward: bool) -> torch.Tensor:
     """-cross_entropy_loss(x, y) from flash-attn's Triton kernel; labels outside [0, V) are ignored."""
     cross_entropy_loss = load_flash_attn_cross_entropy()
-    x = inputs.logits
+    x = req.logits
     if not x.is_cuda:
         raise ValueError(f"rl_logp: backend='flash_attn' runs on CUDA tensors only, got {x.device}")
-    z = x if inputs.temperature.is_one else _scaled(inputs)
-    in_range, _ = _masked_labels(inputs.labels, x.shape[1])
-    ignored = torch.where(in_range, inputs.labels, torch.full_like(inputs.labels, -100))
+    z = x if req.temperature.is_one else _scaled(req)
+    in_range, _ = _masked_labels(req.labels, x.shape[1])
+    ignored = torch.where(in_range, req.labels, torch.full_like(req.labels, -100))
     return -cross_entropy_loss(z, ignored, inplace_backward=inplace_backward)[0].float()
 
 
-def score(name: str, inputs: PreparedInputs, *, entropy: bool, want_logp: bool, inplace_backward: bool):
-    """(logp or None, entropy or None) of a baseline backend, each of the logits' row shape."""
-    if entropy and name == "flash_attn":
+def row_stats(req: LogpRequest) -> RowStats:
+    """logp (labels given) and entropy (`req.entropy`) of a baseline backend, [N] each."""
+    if req.entropy and req.engine == "flash_attn":
         raise ValueError("rl_logp: backend='flash_attn' has no entropy; use 'fused', 'chunked' or 'torch'")
     logp = None
-    if want_logp:
-        logp = torch_logprobs(inputs) if name == "torch" else flash_attn_logprobs(inputs, inplace_backward)
-        logp = logp.reshape(inputs.lead_shape)
-    ent = torch_entropy(inputs).reshape(inputs.lead_shape) if entropy else None
-    return logp, ent
+    if req.labels is not None:
+        logp = torch_logprobs(req) if req.engine == "torch" else flash_attn_logprobs(req, req.inplace_backward)
+    return RowStats(logp=logp, entropy=torch_entropy(req) if req.entropy else None)
 
 
 @torch.no_grad()
-def vocab_parallel_torch_logprobs(
-    inputs: PreparedInputs, group: dist.ProcessGroup, vocab_start: int, vocab_size: int
-) -> torch.Tensor:
+def vocab_parallel_torch_logprobs(req: LogpRequest) -> torch.Tensor:
     """Megatron-style vocab-parallel logp with a float sum-exp (forward only): the TP-variant baseline."""
-    z = _scaled(inputs)
-    labels = inputs.labels
+    z = _scaled(req)
+    labels, group, vocab_start, vocab_size = req.labels, req.shard.group, req.shard.start, req.shard.vocab_size
     row_max = z.amax(dim=1)
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
     sum_exp = torch.exp(z - row_max.unsqueeze(1)).sum(dim=1)
@@ -95,4 +92,4 @@ def vocab_parallel_torch_logprobs(
     dist.all_reduce(target, group=group)
     logp = target - (row_max + torch.log(sum_exp))
     in_range = (labels >= 0) & (labels < vocab_size)
-    return torch.where(in_range, logp, torch.zeros_like(logp)).reshape(inputs.lead_shape)
+    return torch.where(in_range, logp, torch.zeros_like(logp))

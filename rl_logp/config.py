@@ -1,7 +1,8 @@
 """Configuration of rl-logp: which backend runs, how big a chunk is, how many fixed-point bits.
 
 A `LogpConfig` is built from (lowest to highest precedence) the defaults, environment variables
-(`RL_LOGP_BACKEND`, `RL_LOGP_CHUNK_BYTES`, `RL_LOGP_FIXED_POINT_BITS`, `RL_LOGP_STRICT`), a dict (for a
+(`RL_LOGP_BACKEND`, `RL_LOGP_CHUNK_BYTES`, `RL_LOGP_FIXED_POINT_BITS`, `RL_LOGP_STRICT`,
+`RL_LOGP_TP_AGREEMENT`), a dict (for a
 verl/hydra config block) and keyword arguments. Every value is validated here, so a bad value fails at
 configuration time with a message that names the setting and the accepted values.
 """
@@ -21,6 +22,7 @@ ENV_PREFIX = "RL_LOGP_"
 MIN_FIXED_POINT_BITS = 20
 MAX_FIXED_POINT_BITS = 52
 MIN_CHUNK_BYTES = 4096
+TP_AGREEMENTS = ("every_call", "first_call")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,12 +33,15 @@ class LogpConfig:
     chunk_bytes: workspace budget of the `chunked` path per chunk (bytes), independent of N.
     fixed_point_bits: F in q(t) = trunc(t * 2^F); the vocabulary must stay below 2^(63-F) columns.
     strict: refuse backends that are not batch- and TP-invariant (`torch`, `flash_attn`).
+    tp_agreement: when vocab-parallel ranks check on the host that they agree: `every_call` (a host sync
+        per call) or `first_call` (once per layout, then on the device; see `rl_logp.shard_layout`).
     """
 
     backend: str = "auto"
     chunk_bytes: int = 256 * 1024 * 1024
     fixed_point_bits: int = 40
     strict: bool = False
+    tp_agreement: str = "every_call"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -51,6 +56,10 @@ class LogpConfig:
             raise ValueError(
                 f"rl_logp: fixed_point_bits={self.fixed_point_bits} is outside "
                 f"[{MIN_FIXED_POINT_BITS}, {MAX_FIXED_POINT_BITS}]; 40 suits vocabularies below 2^23"
+            )
+        if self.tp_agreement not in TP_AGREEMENTS:
+            raise ValueError(
+                f"rl_logp: tp_agreement={self.tp_agreement!r} is unknown; choose one of {', '.join(TP_AGREEMENTS)}"
             )
         if self.strict and self.backend not in INVARIANT_BACKENDS:
             raise ValueError(

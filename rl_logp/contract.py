@@ -1,4 +1,4 @@
-"""The invariant-logp contract of DESIGN.md as small torch functions on one block of rows.
+"""The invariant-logp contract (docs/design.md) as small torch functions on one block of rows.
 
 Every invariant path (the `chunked` torch path, the `fused` GPU kernels, the vocab-parallel provider)
 produces its per-row statistics with the same arithmetic, so the order-free parts (exact max, int64
@@ -145,10 +145,11 @@ def block_grad(
     if logp_part is not None:
         local_labels, valid, scale = logp_part
         a = torch.zeros_like(p).sub_(p)
-        owned = (local_labels >= 0) & (local_labels < x.shape[1])
-        rows = owned.nonzero().squeeze(1)
-        cols = local_labels[rows]
-        a[rows, cols] = a[rows, cols] + 1.0
+        owned = ((local_labels >= 0) & (local_labels < x.shape[1])).unsqueeze(1)
+        # + 1 at the label (no host sync): rows without a label here add +0.0 at column 0, which leaves
+        # every value of `a` (never -0.0: 0 - p is +0.0 or negative) unchanged.
+        at = torch.where(owned, local_labels.unsqueeze(1), 0)
+        a.scatter_add_(1, at, owned.to(a.dtype))
         a.mul_(scale.unsqueeze(1))
         out = a.masked_fill_(~(valid.unsqueeze(1) & live), 0.0)
     if entropy_part is not None:

@@ -1,184 +1,160 @@
 """rl-logp's operators, registered with `torch.library` so `torch.compile` sees each as one opaque op.
 
-    rl_logp::row_stats   whole rows -> (logp, entropy, lse, M, L); autograd registered (backward below)
+    rl_logp::row_stats   a request's rows -> (logp, entropy, lse, M, L); vocab-parallel with a group
     rl_logp::grad        the row-local gradient of logp and/or entropy (a new tensor)
     rl_logp::grad_       the same, written into the logits' own storage (inplace_backward)
-    rl_logp::shard_max   a vocabulary shard's row max (the vocab-parallel provider all-reduces it)
-    rl_logp::shard_sums  a shard's int64 sums S and E given the global max
 
-Each has a fake (meta) implementation that only builds output shapes, so the compiler never traces the
-engines: the chunk loop, the Triton launches and the validation stay out of the graph, one graph serves
-every row count, and compiled code gives eager's bits. Why `custom_op` and not `triton_op`: the ops
-dispatch to two engines (one of them plain torch) and the fused forward launches one or two kernels
-depending on the device; `triton_op` would let inductor see and re-schedule the Triton launches, which
-buys nothing here (each op is one memory-bound pass) and would expose the kernels' shape-derived launch
-arguments to symbolic tracing.
+The three share one schema for the request (`REQUEST_SCHEMA`); `_flatten` and `_request` are the one
+place a `LogpRequest` becomes op arguments and back. Each op has a fake implementation that only builds
+output shapes, so the compiler never traces the engines: the chunk loop, the Triton launches, the
+collectives and the validation stay out of the graph, one graph serves every row count, and compiled code
+gives eager's bits. The autograd formula is registered once (`register_autograd`) for every path,
+single-device and vocab-parallel. Why `custom_op` and not `triton_op`: the ops dispatch to two engines
+(one of them plain torch) and to collectives; inductor could not re-schedule anything useful in a
+memory-bound single pass.
 
-Temperature crosses the op boundary as `temp_rows` (fp32 [N], or None) and `t_scalar` (a float, 1.0 for
-none); see `rl_logp.temperature`.
+`row_stats(req)` is what the public functions call: on the eager path with nothing to differentiate it
+runs the op's body directly (the dispatcher would only add latency to the rollout-size calls vLLM makes at
+every decode step); otherwise it goes through the op.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from rl_logp.backends import make_engine
+from rl_logp.engines import RowStats, make_engine
+from rl_logp.request import LogpRequest
+from rl_logp.shard_layout import VocabShard, comm_device
 from rl_logp.temperature import Temperature
+from rl_logp.vocab_parallel import vocab_parallel_row_stats
 
+REQUEST_SCHEMA = (
+    "Tensor? labels, Tensor? temp_rows, float t_scalar, bool entropy, str engine, int bits, "
+    "int chunk_bytes, bool inplace_backward, str group_name, int vocab_start, int vocab_size"
+)
+STATS_SCHEMA = "Tensor row_max, Tensor log_sum, Tensor? entropy_out, Tensor? g_logp, Tensor? g_entropy"
 _F32 = torch.float32
 
 
-def _temperature(temp_rows: torch.Tensor | None, t_scalar: float) -> Temperature:
-    return Temperature(rows=temp_rows, scalar=t_scalar)
-
-
-def row_stats_impl(
-    x: torch.Tensor, labels: torch.Tensor | None, temp_rows: torch.Tensor | None, t_scalar: float, bits: int,
-    engine: str, chunk_bytes: int, entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The op's body (called directly on the eager no-grad path, where the dispatcher adds only cost)."""
-    stats = make_engine(engine, chunk_bytes).row_stats(x, _temperature(temp_rows, t_scalar), labels, bits, entropy)
-    empty = x.new_empty(0, dtype=_F32)
+def _flatten(req: LogpRequest) -> tuple:
+    """The request as the ops' arguments (x first)."""
+    shard = req.shard
     return (
-        empty if stats.logp is None else stats.logp,
-        empty if stats.entropy is None else stats.entropy,
-        stats.lse,
-        stats.row_max,
-        stats.log_sum,
+        req.logits, req.labels, req.temperature.rows, float(req.temperature.scalar), req.entropy, req.engine, req.bits, req.chunk_bytes, req.inplace_backward,
+        "" if shard is None else shard.group.group_name, 0 if shard is None else shard.start,
+        0 if shard is None else shard.vocab_size,
     )
 
 
-@torch.library.custom_op("rl_logp::row_stats", mutates_args=())
-def row_stats(
-    x: torch.Tensor, labels: torch.Tensor | None, temp_rows: torch.Tensor | None, t_scalar: float, bits: int,
-    engine: str, chunk_bytes: int, entropy: bool, inplace_backward: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp of `labels` or [0], entropy or [0], lse, M, L) of whole rows of `x` [N, V]."""
-    return row_stats_impl(x, labels, temp_rows, t_scalar, bits, engine, chunk_bytes, entropy)
+def _request(x, labels, temp_rows, t_scalar, entropy, engine, bits, chunk_bytes, inplace_backward, group_name,
+             vocab_start, vocab_size) -> LogpRequest:
+    """The ops' arguments as the request they came from (the op always computes M, L and lse: a backward
+    needs M and L)."""
+    shard = None
+    if group_name:
+        group = dist.distributed_c10d._resolve_process_group(group_name)
+        shard = VocabShard(group=group, start=vocab_start, width=x.shape[1], vocab_size=vocab_size,
+                           comm_device=comm_device(group, x.device))
+    return LogpRequest(x, labels, Temperature(rows=temp_rows, scalar=t_scalar), entropy, True, engine, bits,
+                       chunk_bytes, torch.Size([x.shape[0]]), inplace_backward, shard)
 
 
-@row_stats.register_fake
-def _row_stats_fake(x, labels, temp_rows, t_scalar, bits, engine, chunk_bytes, entropy, inplace_backward):
+def _row_stats_body(req: LogpRequest) -> RowStats:
+    if req.shard is not None:
+        return vocab_parallel_row_stats(req)
+    return make_engine(req.engine, req.chunk_bytes).row_stats(req)
+
+
+def row_stats(req: LogpRequest) -> RowStats:
+    """The statistics of a request, through `rl_logp::row_stats` when autograd or the compiler needs the op."""
+    if not (torch.is_grad_enabled() and req.logits.requires_grad) and not torch.compiler.is_compiling():
+        return _row_stats_body(req)
+    logp, ent, lse, row_max, log_sum = torch.ops.rl_logp.row_stats(*_flatten(req))
+    return RowStats(row_max=row_max, log_sum=log_sum, lse=lse, logp=logp if req.labels is not None else None,
+                    entropy=ent if req.entropy else None)
+
+
+def _stats_outputs(stats: RowStats, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(logp, entropy, lse, M, L): distinct tensors (an op's outputs may not alias), [0] where not asked."""
+    return tuple(
+        x.new_empty(0, dtype=_F32) if t is None else t
+        for t in (stats.logp, stats.entropy, stats.lse, stats.row_max, stats.log_sum)
+    )
+
+
+@torch.library.custom_op("rl_logp::row_stats", mutates_args=(),
+                         schema=f"(Tensor x, {REQUEST_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _row_stats_op(*args):
+    req = _request(*args)
+    return _stats_outputs(_row_stats_body(req), req.logits)
+
+
+@_row_stats_op.register_fake
+def _row_stats_fake(x, labels, temp_rows, t_scalar, entropy, *_):
     n = x.shape[0]
-    return (
-        x.new_empty(n if labels is not None else 0, dtype=_F32),
-        x.new_empty(n if entropy else 0, dtype=_F32),
-        x.new_empty(n, dtype=_F32),
-        x.new_empty(n, dtype=_F32),
-        x.new_empty(n, dtype=_F32),
-    )
+    return tuple(x.new_empty(n if wanted else 0, dtype=_F32) for wanted in (labels is not None, entropy, True, True, True))
 
 
-def grad_impl(
-    x: torch.Tensor, labels: torch.Tensor | None, label_offset: int, vocab_total: int,
-    temp_rows: torch.Tensor | None, t_scalar: float, row_max: torch.Tensor, log_sum: torch.Tensor,
-    entropy: torch.Tensor | None, g_logp: torch.Tensor | None, g_entropy: torch.Tensor | None,
-    engine: str, chunk_bytes: int, out: torch.Tensor,
-) -> None:
-    make_engine(engine, chunk_bytes).grad(
-        x, _temperature(temp_rows, t_scalar), labels, label_offset, vocab_total, row_max, log_sum, entropy,
-        g_logp, g_entropy, out,
-    )
+def _grad_body(out: torch.Tensor, x, *args) -> None:
+    *request_args, row_max, log_sum, ent, g_logp, g_entropy = args
+    req = _request(x, *request_args)
+    stats = RowStats(row_max=row_max, log_sum=log_sum, entropy=ent)
+    make_engine(req.engine, req.chunk_bytes).grad(req, stats, g_logp, g_entropy, out)
 
 
-@torch.library.custom_op("rl_logp::grad", mutates_args=())
-def grad(
-    x: torch.Tensor, labels: torch.Tensor | None, label_offset: int, vocab_total: int,
-    temp_rows: torch.Tensor | None, t_scalar: float, row_max: torch.Tensor, log_sum: torch.Tensor,
-    entropy: torch.Tensor | None, g_logp: torch.Tensor | None, g_entropy: torch.Tensor | None,
-    engine: str, chunk_bytes: int,
-) -> torch.Tensor:
-    """dz of logp (g_logp given) and/or entropy (g_entropy given) for a block of columns of x."""
+@torch.library.custom_op("rl_logp::grad", mutates_args=(),
+                         schema=f"(Tensor x, {REQUEST_SCHEMA}, {STATS_SCHEMA}) -> Tensor")
+def _grad_op(x, *args):
+    """dz of logp (g_logp given) and/or entropy (g_entropy given) for this block of columns."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    grad_impl(x, labels, label_offset, vocab_total, temp_rows, t_scalar, row_max, log_sum, entropy, g_logp,
-              g_entropy, engine, chunk_bytes, out)
+    _grad_body(out, x, *args)
     return out
 
 
-@grad.register_fake
+@_grad_op.register_fake
 def _grad_fake(x, *args):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("rl_logp::grad_", mutates_args=("x",))
-def grad_(
-    x: torch.Tensor, labels: torch.Tensor | None, label_offset: int, vocab_total: int,
-    temp_rows: torch.Tensor | None, t_scalar: float, row_max: torch.Tensor, log_sum: torch.Tensor,
-    entropy: torch.Tensor | None, g_logp: torch.Tensor | None, g_entropy: torch.Tensor | None,
-    engine: str, chunk_bytes: int,
-) -> None:
+@torch.library.custom_op("rl_logp::grad_", mutates_args=("x",),
+                         schema=f"(Tensor(a!) x, {REQUEST_SCHEMA}, {STATS_SCHEMA}) -> ()")
+def _grad_inplace_op(x, *args):
     """`grad`, written over `x` (the gradient replaces the logits it was computed from)."""
-    grad_impl(x, labels, label_offset, vocab_total, temp_rows, t_scalar, row_max, log_sum, entropy, g_logp,
-              g_entropy, engine, chunk_bytes, x)
+    _grad_body(x, x, *args)
 
 
-@grad_.register_fake
+@_grad_inplace_op.register_fake
 def _grad_inplace_fake(x, *args):
     return None
 
 
-def gradient(x: torch.Tensor, args: tuple, inplace: bool) -> torch.Tensor:
-    """`rl_logp::grad` of x with `args` (its remaining arguments), or `rl_logp::grad_` written over x."""
-    if inplace:
-        torch.ops.rl_logp.grad_(x, *args)
-        return x
-    return torch.ops.rl_logp.grad(x, *args)
-
-
 def _setup_row_stats(ctx, inputs, output) -> None:
-    x, labels, temp_rows, t_scalar, _bits, engine, chunk_bytes, entropy, inplace_backward = inputs
+    x, labels, temp_rows, *_ = inputs
     _, ent, _, row_max, log_sum = output
-    ctx.save_for_backward(x, labels, temp_rows, row_max, log_sum, ent if entropy else None)
-    ctx.t_scalar, ctx.engine, ctx.chunk_bytes = t_scalar, engine, chunk_bytes
-    ctx.inplace_backward = inplace_backward
+    ctx.save_for_backward(x, labels, temp_rows, row_max, log_sum, ent)
+    ctx.args = inputs[3:]
     ctx.mark_non_differentiable(output[2], output[3], output[4])
 
 
 def _row_stats_backward(ctx, g_logp, g_entropy, g_lse, g_max, g_log_sum):
     x, labels, temp_rows, row_max, log_sum, ent = ctx.saved_tensors
-    if labels is None or g_logp is None or g_logp.numel() == 0:
-        g_logp = None
-    if ent is None or g_entropy is None or g_entropy.numel() == 0:
-        g_entropy = None
+    req = _request(x, labels, temp_rows, *ctx.args)
+    g_logp = None if labels is None or g_logp is None or g_logp.numel() == 0 else g_logp
+    g_entropy = None if not req.entropy or g_entropy is None or g_entropy.numel() == 0 else g_entropy
+    none = (None,) * (2 + len(ctx.args))  # labels, temp_rows and the non-tensor arguments
     if g_logp is None and g_entropy is None:
-        return (None,) * 9
+        return None, *none
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # backward(create_graph=True)
         raise RuntimeError(
             "rl_logp: double backward (backward with create_graph=True through logprobs/entropy) is not "
             "supported; compute higher derivatives with backend='torch'"
         )
-    args = (labels, 0, x.shape[1], temp_rows, ctx.t_scalar, row_max, log_sum, ent, g_logp, g_entropy,
-            ctx.engine, ctx.chunk_bytes)
-    return gradient(x, args, ctx.inplace_backward), None, None, None, None, None, None, None, None
+    args = (labels, temp_rows, *ctx.args, row_max, log_sum, ent if req.entropy else None, g_logp, g_entropy)
+    if req.inplace_backward:
+        torch.ops.rl_logp.grad_(x, *args)
+        return x, *none
+    return torch.ops.rl_logp.grad(x, *args), *none
 
 
 torch.library.register_autograd("rl_logp::row_stats", _row_stats_backward, setup_context=_setup_row_stats)
-
-
-@torch.library.custom_op("rl_logp::shard_max", mutates_args=())
-def shard_max(
-    x: torch.Tensor, temp_rows: torch.Tensor | None, t_scalar: float, engine: str, chunk_bytes: int
-) -> torch.Tensor:
-    """Row max of z over this shard's columns (NaN rows as +inf), fp32 [N]."""
-    return make_engine(engine, chunk_bytes).shard_max(x, _temperature(temp_rows, t_scalar))
-
-
-@shard_max.register_fake
-def _shard_max_fake(x, temp_rows, t_scalar, engine, chunk_bytes):
-    return x.new_empty(x.shape[0], dtype=_F32)
-
-
-@torch.library.custom_op("rl_logp::shard_sums", mutates_args=())
-def shard_sums(
-    x: torch.Tensor, temp_rows: torch.Tensor | None, t_scalar: float, row_max: torch.Tensor, bits: int,
-    entropy: bool, engine: str, chunk_bytes: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(S, E) of this shard given the global max, int64 [N] each (E is [0] without entropy)."""
-    s, e = make_engine(engine, chunk_bytes).shard_sums(x, _temperature(temp_rows, t_scalar), row_max, bits, entropy)
-    return s, (x.new_empty(0, dtype=torch.int64) if e is None else e)
-
-
-@shard_sums.register_fake
-def _shard_sums_fake(x, temp_rows, t_scalar, row_max, bits, entropy, engine, chunk_bytes):
-    n = x.shape[0]
-    return x.new_empty(n, dtype=torch.int64), x.new_empty(n if entropy else 0, dtype=torch.int64)

@@ -1,14 +1,10 @@
 """Input checks of the public API: every message names the argument and says how to fix it.
 
-`prepare_inputs` turns `logits [..., V]`, `labels` and a temperature into the 2-D/1-D tensors the
-engines take, without copying unless the logits are fp64 (scored as fp32(x), see below) or their last
-dimension is not contiguous. Nothing here reads a tensor's values, so nothing here syncs with a GPU.
+Nothing here reads a tensor's values, so nothing here syncs with a GPU. `rl_logp.request.prepare_inputs`
+runs these checks and flattens the inputs.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import math
 
 import torch
 
@@ -16,14 +12,6 @@ from rl_logp.temperature import Temperature, same_rows, temperature_from_float, 
 
 LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 LABEL_DTYPES = (torch.int32, torch.int64)
-
-
-@dataclasses.dataclass
-class PreparedInputs:
-    logits: torch.Tensor  # [N, V_local] bf16/fp16/fp32, last dim contiguous
-    labels: torch.Tensor | None  # [N] int64
-    temperature: Temperature
-    lead_shape: torch.Size
 
 
 def check_logits(logits: object) -> torch.Tensor:
@@ -64,29 +52,6 @@ def check_temperature(temperature: float | torch.Tensor | None, logits: torch.Te
     if isinstance(temperature, torch.Tensor):
         return temperature_from_tensor(temperature, logits.shape[:-1], n, logits.device)
     return temperature_from_float(temperature)
-
-
-def prepare_inputs(
-    logits: object, labels: object | None, temperature: float | torch.Tensor | None = None
-) -> PreparedInputs:
-    """Validate and flatten. fp64 logits are scored as fp32(x) (the contract is defined on fp32 z; the
-    gradient flows back in fp64); logits whose last dimension is strided are copied to contiguous rows."""
-    x = check_logits(logits)
-    y = None if labels is None else check_labels(labels, x)
-    lead_shape = x.shape[:-1]
-    vocab = x.shape[-1]
-    n = math.prod(lead_shape)
-    x2 = x.reshape(n, vocab)
-    if x2.dtype == torch.float64:
-        x2 = x2.to(torch.float32)
-    if vocab > 1 and x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    return PreparedInputs(
-        logits=x2,
-        labels=None if y is None else y.reshape(n).to(torch.int64),
-        temperature=check_temperature(temperature, x, n),
-        lead_shape=lead_shape,
-    )
 
 
 def check_vocab_fits(vocab_size: int, bits: int) -> None:

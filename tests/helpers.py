@@ -103,35 +103,57 @@ def random_cuts(vocab: int, pieces: int, seed: int) -> list[int]:
     return [0, *sorted(int(c) for c in inner), vocab]
 
 
+def engine_request(logits, labels=None, temperature=None, *, engine="chunked", entropy=False, bits=40,
+                   start=0, vocab_total=None, chunk_bytes=1 << 28):
+    """A `LogpRequest` for calling an engine directly; `start`/`vocab_total` place a vocabulary slice."""
+    from rl_logp.request import LogpRequest
+    from rl_logp.shard_layout import VocabShard
+    from rl_logp.temperature import Temperature
+
+    if temperature is None or isinstance(temperature, Temperature):
+        temp = temperature or Temperature()
+    elif isinstance(temperature, torch.Tensor):
+        temp = Temperature(rows=temperature)
+    else:
+        temp = Temperature(scalar=temperature)
+    shard = None
+    if vocab_total is not None:
+        shard = VocabShard(group=None, start=start, width=logits.shape[1], vocab_size=vocab_total,
+                           comm_device=logits.device)
+    return LogpRequest(logits, labels, temp, entropy, True, engine, bits, chunk_bytes,
+                       torch.Size([logits.shape[0]]), False, shard)
+
+
 def split_vocab_stats(engine, logits, labels, cuts, bits=40, temperature=None, entropy=False):
     """What the TP provider computes, with the all-reduces done in-process over vocabulary slices:
     (logp, entropy or None, d(sum logp + sum entropy)/d logits)."""
     from rl_logp import contract
-    from rl_logp.temperature import Temperature
+    from rl_logp.engines import RowStats
 
-    temp = Temperature() if temperature is None else Temperature(rows=temperature)
-    slices = [logits[:, a:b] for a, b in itertools.pairwise(cuts)]
-    row_max = torch.stack([engine.shard_max(s, temp) for s in slices]).amax(dim=0)
-    sums = [engine.shard_sums(s, temp, row_max, bits, entropy) for s in slices]
+    vocab = logits.shape[1]
+    requests = [engine_request(logits[:, a:b], labels, temperature, engine=engine.name, entropy=entropy, bits=bits,
+                               start=a, vocab_total=vocab) for a, b in itertools.pairwise(cuts)]
+    row_max = torch.stack([contract.nan_as_inf(engine.shard_max(r)) for r in requests]).amax(dim=0)
+    sums = [engine.shard_sums(r, row_max) for r in requests]
     fixed = torch.stack([s for s, _ in sums]).sum(dim=0)
     entropy_fixed = torch.stack([e for _, e in sums]).sum(dim=0) if entropy else None
-    divisor = temp.divisor(slice(0, logits.shape[0]), logits.device)
+    divisor = requests[0].temperature.divisor(slice(0, logits.shape[0]), logits.device)
     target = torch.stack(
-        [contract.shard_target_logit(s, labels - a, divisor) for s, a in zip(slices, cuts, strict=False)]
+        [contract.shard_target_logit(r.logits, labels - a, divisor) for r, a in zip(requests, cuts, strict=False)]
     ).sum(dim=0)
     log_sum, _, ent = contract.finalize(row_max, fixed, entropy_fixed, bits)
-    vocab = logits.shape[1]
     logp = contract.assemble_logp(target, row_max, log_sum, labels, vocab)
     ones = torch.ones_like(logp)
+    stats = RowStats(row_max=row_max, log_sum=log_sum, entropy=ent)
     grads = []
-    for s, a in zip(slices, cuts, strict=False):
-        out = torch.empty_like(s)
-        engine.grad(s, temp, labels, a, vocab, row_max, log_sum, ent, ones, ones if entropy else None, out)
+    for r in requests:
+        out = torch.empty_like(r.logits)
+        engine.grad(r, stats, ones, ones if entropy else None, out)
         grads.append(out)
     return logp, ent, torch.cat(grads, dim=1)
 
 
 def make_engine(backend: str, chunk_bytes: int = 1 << 28):
-    from rl_logp.backends import make_engine as make
+    from rl_logp.engines import make_engine as make
 
     return make(backend, chunk_bytes)

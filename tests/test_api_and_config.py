@@ -10,7 +10,7 @@ from helpers import HAS_CUDA, INTERPRET, logp_and_grad, mismatches, model_like_l
 
 import rl_logp
 from rl_logp import LogpConfig, logprobs, resolve_config
-from rl_logp.chunked import WORKSPACE_BYTES_PER_ELEMENT, ChunkPlan
+from rl_logp.engines.chunked import WORKSPACE_BYTES_PER_ELEMENT, ChunkPlan
 
 
 def test_config_precedence_env_dict_kwargs():

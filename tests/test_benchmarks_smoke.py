@@ -30,15 +30,31 @@ def test_bench_rollout_smoke(tmp_path):
 def test_bench_logp_smoke(tmp_path):
     report, stdout = _smoke("bench_logp.py", tmp_path / "logp.json")
     main = [r for r in report["results"] if r["suite"] != "rollout"]
-    assert not [r for r in main if "error" in r], [r for r in main if "error" in r]
-    suites = {(r["suite"], r["provider"]) for r in main}
-    for suite in ("logp", "logp T=0.7", "entropy", "logp+entropy"):
-        assert (suite, "fused") in suites
+    assert not [r for r in main if "error" in r and "not importable" not in r["error"]]
+    suites = {(r["suite"], r["provider"]) for r in main if "error" not in r}
+    for suite in ("logp", "logp T=0.7", "entropy", "entropy T=0.7", "logp+entropy", "logp+entropy T=0.7"):
+        assert (suite, "rl_logp") in suites
+    # verl is installed here: its own functions are among the providers
+    assert ("logp T=0.7", "verl logprobs_from_logits") in suites
+    assert ("entropy", "verl entropy_from_logits (compiled)") in suites
     # the invariant providers are batch-invariant even in the smoke run
-    assert all(r["batch_mismatch_rows_of_64"] == 0 for r in main if r["provider"] in ("fused", "chunked"))
+    invariant = [r for r in main if r["provider"] in ("rl_logp", "rl_logp chunked")]
+    assert invariant and all(r["batch_mismatch_rows_of_64"] == 0 for r in invariant)
     rollout = [r for r in report["results"] if r["suite"] == "rollout"]
-    assert {r["provider"] for r in rollout} == {"fused", "torch"} and all(r["wall_us"] > 0 for r in rollout)
+    assert {r["provider"] for r in rollout} == {"rl_logp", "torch log_softmax+gather"}
+    assert all(r["wall_us"] > 0 and r["host_us"] > 0 for r in rollout)
     assert "x flr" in stdout
+
+
+def test_bench_logp_sweep_smoke(tmp_path):
+    out = tmp_path / "sweep.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_logp.py"), "--smoke", "--suites", "sweep",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = json.loads(out.read_text())["results"]
+    assert len(rows) == 2 and not [r for r in rows if "error" in r]
+    assert all(r[f"{kind}_{case}_ms"] > 0 for r in rows for kind in ("forward", "backward")
+               for case in ("t1", "t07", "t1_entropy"))
 
 
 def test_bench_verl_step_smoke(tmp_path):

@@ -103,3 +103,73 @@ def test_bad_input_raises_the_same_error_compiled_or_not():
         rl_logp.logprobs(x, y)
     with pytest.raises(TypeError, match="labels have dtype"):
         torch.compile(rl_logp.logprobs, dynamic=True)(x, y)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("temperature", [None, 0.7, "rows"])
+def test_normalizer_functions_compile_with_eager_bits(device, temperature):
+    """`logsumexp` and `log_normalizer` (no labels, no entropy: the op's outputs must not alias)."""
+    vocab = 151936 if device == "cuda" else 1031
+    torch._dynamo.reset()
+    lse = torch.compile(rl_logp.logsumexp, dynamic=True, fullgraph=True)
+    normalizer = torch.compile(rl_logp.log_normalizer, dynamic=True, fullgraph=True)
+    for i, rows in enumerate((3, 64, 257)):
+        x = model_like_logits(rows, vocab, torch.bfloat16, device, seed=i)
+        t = torch.rand(rows, device=device) + 0.5 if temperature == "rows" else temperature
+        assert mismatches(lse(x, temperature=t), rl_logp.logsumexp(x, temperature=t)) == 0
+        for got, want in zip(normalizer(x, temperature=t), rl_logp.log_normalizer(x, temperature=t), strict=True):
+            assert mismatches(got, want) == 0
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A gloo world of this process alone: the vocab-parallel form of the op runs its collectives on it."""
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if started:
+        dist.destroy_process_group()
+
+
+def _op_requests(device, group):
+    """Argument tuples of `rl_logp::row_stats` covering its outputs, temperatures and the TP form."""
+    from rl_logp import ops
+    from rl_logp.request import prepare_inputs
+    from rl_logp.shard_layout import VocabShard
+
+    cfg = rl_logp.resolve_config(None, backend="chunked")
+    x = model_like_logits(6, 257, torch.float32, device, seed=3)
+    y = random_labels(6, 257, device, seed=3)
+    shard = VocabShard(group=group, start=0, width=257, vocab_size=257, comm_device=torch.device("cpu"))
+    cases = []
+    for labels, entropy, temperature, tp, normalizer in [
+        (None, False, None, None, True),  # logsumexp / log_normalizer
+        (y, False, None, None, True),
+        (y, True, 0.7, None, True),
+        (None, True, torch.linspace(0.5, 1.5, 6, device=device), None, False),
+        (y, True, 0.7, shard, True),
+    ]:
+        req = prepare_inputs(x, labels, temperature).request(cfg, "chunked", entropy=entropy, normalizer=normalizer,
+                                                             shard=tp)
+        cases.append(ops._flatten(req))
+    return cases
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_every_op(device, one_rank_group):
+    """torch.library.opcheck (schema, fake tensors, autograd registration, AOT dispatch) over row_stats,
+    grad and grad_."""
+    for args in _op_requests(device, one_rank_group):
+        x = args[0].clone().requires_grad_(True)
+        torch.library.opcheck(torch.ops.rl_logp.row_stats.default, (x, *args[1:]))
+        logp, ent, lse, row_max, log_sum = torch.ops.rl_logp.row_stats(*args)
+        g = torch.ones(args[0].shape[0], device=device)
+        entropy = args[4]
+        stats = (row_max, log_sum, ent if entropy else None, g if args[1] is not None else None, g if entropy else None)
+        if stats[3] is None and stats[4] is None:
+            continue
+        torch.library.opcheck(torch.ops.rl_logp.grad.default, (args[0], *args[1:], *stats))
+        torch.library.opcheck(torch.ops.rl_logp.grad_.default, (args[0].clone(), *args[1:], *stats))

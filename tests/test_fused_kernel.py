@@ -10,6 +10,7 @@ import torch
 from helpers import (
     HAS_CUDA,
     INTERPRET,
+    engine_request,
     logp_and_grad,
     make_engine,
     mismatches,
@@ -19,6 +20,7 @@ from helpers import (
 )
 
 from rl_logp import entropy, logprobs, logprobs_and_entropy, resolve_backend
+from rl_logp.engines import RowStats
 from rl_logp.temperature import Temperature
 
 FUSED_DEVICES = [
@@ -28,13 +30,14 @@ FUSED_DEVICES = [
 
 
 def _kernels():
-    from rl_logp.kernels import fused_engine, fused_forward
+    from rl_logp.engines import fused
+    from rl_logp.kernels import fixed_point, launch
 
-    return fused_engine, fused_forward
+    return fused.FusedEngine, launch.LaunchConfig, fixed_point
 
 
 def _all_stats(engine, x, temp, labels, bits=40):
-    s = engine.row_stats(x, temp, labels, bits, True)
+    s = engine.row_stats(engine_request(x, labels, temp, engine="fused", entropy=True, bits=bits))
     return [s.row_max, s.log_sum, s.lse, s.logp, s.entropy]
 
 
@@ -79,31 +82,64 @@ def test_exp_and_log_match_torch_cuda_including_subnormal_results():
 
 @pytest.mark.parametrize("device", FUSED_DEVICES)
 def test_launch_variants_give_the_same_bits(device):
-    fused_engine, fwd = _kernels()
+    engine, config, fp = _kernels()
     vocab = 151936 if device == "cuda" else 1531
     x = model_like_logits(7, vocab, torch.bfloat16, device, seed=2)
     x[0] = 0.0  # every term is exactly 1: the integer sums at their largest
     x[1, 100:] = float("-inf")
     labels = random_labels(7, vocab, device)
-    base = fused_engine.FusedConfig()
-    small = 256 if device == "cpu" else 4096
+    base = config()
+    small = 256 if device == "cpu" else 2048
     variants = [
-        dataclasses.replace(base, quant=fwd.QUANT_CAST),
-        dataclasses.replace(base, seg=2 * small, chunk=small),
-        dataclasses.replace(base, seg=small // 2, chunk=small // 2, width=small // 4),
-        dataclasses.replace(base, sync=False),
-        dataclasses.replace(base, programs_per_sm=1),
-        dataclasses.replace(base, pipeline_min_rows=1),
-        dataclasses.replace(base, pipeline_min_rows=1, pipeline_chunk=small // 2, pipeline_programs_per_sm=2),
+        dataclasses.replace(base, quant=fp.QUANT_CAST.value),
+        dataclasses.replace(base, chunk=small, width=small),
+        dataclasses.replace(base, chunk=2 * small, width=small // 2),
+        dataclasses.replace(base, two_pass=True),
+        dataclasses.replace(base, programs_per_sm=0),
+        dataclasses.replace(base, programs_per_sm=1, warps=4),
     ]
     if device == "cuda":  # the interpreter's fma is a separate multiply and add, so only the GPU can run it
-        variants.append(dataclasses.replace(base, div=fwd.DIV_RECIPROCAL))
+        variants.append(dataclasses.replace(base, div=fp.DIV_IEEE.value))
+        variants.append(dataclasses.replace(base, div=fp.DIV_RECIPROCAL.value))
     for temp in (Temperature(), Temperature(scalar=0.7), Temperature(rows=torch.linspace(0.5, 1.5, 7, device=device))):
-        ref = _all_stats(fused_engine.FusedEngine(base), x, temp, labels)
+        ref = _all_stats(engine(base), x, temp, labels)
         for cfg in variants:
-            got = _all_stats(fused_engine.FusedEngine(cfg), x, temp, labels)
+            got = _all_stats(engine(cfg), x, temp, labels)
             for a, b in zip(got, ref, strict=True):
                 assert mismatches(a, b) == 0, cfg
+
+
+@pytest.mark.skipif(not INTERPRET, reason="checks the kernels under Triton's interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("temperature", [None, 0.7, "rows"])
+def test_interpreter_sums_are_the_contract_with_numpys_exp(temperature):
+    """Under the interpreter the kernels' exp is numpy's, which differs from torch's CPU exp on many
+    arguments, so fused and chunked on the CPU are different exp families (their entropies can differ
+    in the last bit). What is checked instead: the kernel's S and E are exactly the contract's sums with
+    numpy's float32 exp, computed here independently."""
+    import numpy as np
+
+    engine, config, _ = _kernels()
+    n, vocab = 9, 3001
+    x = model_like_logits(n, vocab, torch.bfloat16, "cpu", seed=5)
+    if temperature == "rows":
+        temperature = torch.linspace(0.4, 1.6, n)
+    req = engine_request(x, None, temperature, engine="fused", entropy=True)
+    fused = engine(config())
+    row_max = fused.shard_max(req)
+    s, e = fused.shard_sums(req, row_max)
+    z = x.float()
+    if temperature is not None:
+        z = z / (temperature.unsqueeze(1) if isinstance(temperature, torch.Tensor) else torch.tensor(temperature))
+    d = (z - row_max.unsqueeze(1)).numpy()
+    terms = np.exp(d).astype(np.float32)
+    scale = np.float32(2.0**40)
+    want_s = np.trunc(terms * scale).astype(np.int64).sum(axis=1)
+    want_e = np.trunc((terms * d).astype(np.float32) * scale).astype(np.int64).sum(axis=1)
+    assert torch.equal(row_max, z.amax(dim=1))
+    assert s.tolist() == want_s.tolist() and e.tolist() == want_e.tolist()
+    # ... and torch's CPU exp is another family: the chunked engine's sums differ in their last bits.
+    chunked_s, _ = make_engine("chunked").shard_sums(engine_request(x, None, temperature, entropy=True), row_max)
+    assert not torch.equal(chunked_s, s)
 
 
 @needs_cuda
@@ -111,7 +147,7 @@ def test_reciprocal_division_is_the_ieee_quotient_where_it_is_used():
     """Markstein's correction gives the IEEE quotient for every bf16 value and 4M fp32 patterns with
     2^-100 <= |x| <= 2^100 (and +-inf, NaN), T in [2^-10, 2^100]; tiny or huge logits are covered by the
     row rule (test_reciprocal_division_keeps_output_bits_on_adversarial_rows)."""
-    _, fwd = _kernels()
+    _, _, fp = _kernels()
     x_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32, device="cuda").to(torch.int16).view(torch.bfloat16)
     x_fp32 = torch.randint(-(2**31), 2**31 - 1, (1 << 22,), dtype=torch.int32, device="cuda").view(torch.float32)
     temps = torch.cat([torch.tensor([0.7, 0.6, 1.3, 2.0**-10, 0.999, 7.0, 2.0**100], device="cuda"),
@@ -121,7 +157,7 @@ def test_reciprocal_division_is_the_ieee_quotient_where_it_is_used():
         mag = values.float().abs()
         used = ((mag >= 2.0**-100) & (mag <= 2.0**100)) | ~torch.isfinite(values.float())
         for t in temps.tolist():
-            got = _divide(values, t, fwd.DIV_RECIPROCAL)
+            got = _divide(values, t, fp.DIV_RECIPROCAL.value)
             want = values.float() / torch.tensor(t, device="cuda")
             differ = (got.view(torch.int32) != want.view(torch.int32)) & ~(got.isnan() & want.isnan())
             bad += int((differ & used).sum())
@@ -133,7 +169,7 @@ def _divide(values, t, div):
     import triton
     import triton.language as tl
 
-    from rl_logp.kernels.fused_forward import scale_logits
+    from rl_logp.kernels.fixed_point import scale_logits
 
     @triton.jit
     def divide(X, Z, t, n, DIV: tl.constexpr, BLOCK: tl.constexpr):
@@ -149,7 +185,7 @@ def _divide(values, t, div):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_reciprocal_division_keeps_output_bits_on_adversarial_rows(dtype):
-    fused_engine, fwd = _kernels()
+    engine, config, fp = _kernels()
     n, vocab = 12, 4099
     x = model_like_logits(n, vocab, torch.float32, "cuda", seed=3)
     tiny = torch.finfo(torch.float32).tiny
@@ -164,17 +200,18 @@ def test_reciprocal_division_keeps_output_bits_on_adversarial_rows(dtype):
     x[6] = x[6] * 1e-37  # every logit tiny
     x = x.to(dtype)
     labels = random_labels(n, vocab, "cuda")
-    ieee = fused_engine.FusedEngine(fused_engine.FusedConfig(div=fwd.DIV_IEEE))
-    reciprocal = fused_engine.FusedEngine(fused_engine.FusedConfig(div=fwd.DIV_RECIPROCAL))
+    ieee = engine(config(div=fp.DIV_IEEE.value))
+    reciprocal = engine(config(div=fp.DIV_RECIPROCAL.value))
     for temp in (Temperature(scalar=0.7), Temperature(scalar=2.0**-10), Temperature(rows=torch.linspace(0.01, 40, n, device="cuda"))):
         a, b = _all_stats(ieee, x, temp, labels), _all_stats(reciprocal, x, temp, labels)
         for u, v in zip(a, b, strict=True):
             assert mismatches(u, v) == 0
         g = torch.linspace(-1, 1, n, device="cuda")
         grads = []
-        for engine in (ieee, reciprocal):
+        for variant in (ieee, reciprocal):
             out = torch.empty_like(x)
-            engine.grad(x, temp, labels, 0, vocab, a[0], a[1], a[4], g, g, out)
+            req = engine_request(x, labels, temp, engine="fused", entropy=True)
+            variant.grad(req, RowStats(row_max=a[0], log_sum=a[1], entropy=a[4]), g, g, out)
             grads.append(out)
         assert mismatches(grads[0], grads[1]) == 0
 
@@ -233,8 +270,8 @@ def test_forward_allocates_only_outputs_and_backward_only_the_gradient():
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         out = logprobs(y, labels, backend="fused", temperature=temperature)
-        # outputs, per-row statistics and workspace (4 words and cdiv(V, seg) maxima per row): nothing per logit
-        assert torch.cuda.max_memory_allocated() - base <= 256 * n
+        # the outputs and per-row statistics (no workspace): nothing per logit
+        assert torch.cuda.max_memory_allocated() - base <= 64 * n
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         out.sum().backward()
@@ -317,6 +354,32 @@ def test_inplace_backward_never_overwrites_a_leaf(backend):
     assert mismatches(w.grad, logp_and_grad(before, labels, backend=backend)[1]) == 0
 
 
+VIEWS_OF_A_LEAF = {
+    "squeeze": lambda w: w.unsqueeze(0).squeeze(0) if w.dim() == 2 else w.squeeze(0),
+    "view": lambda w: w.view(w.shape[0], w.shape[1]),
+    "slice": lambda w: w[1:],
+    "as_strided": lambda w: w.as_strided((w.shape[0] - 1, w.shape[1]), (w.shape[1], 1), w.shape[1]),
+}
+
+
+@pytest.mark.parametrize("backend", ["chunked", pytest.param("fused", marks=pytest.mark.skipif(
+    not (HAS_CUDA or INTERPRET), reason="the fused kernel cannot run here"))])
+@pytest.mark.parametrize("make_view", VIEWS_OF_A_LEAF.values(), ids=VIEWS_OF_A_LEAF.keys())
+def test_inplace_backward_never_overwrites_a_view_of_a_leaf(backend, make_view):
+    device = "cuda" if backend == "fused" and HAS_CUDA else "cpu"
+    w = model_like_logits(6, 257, torch.float32, device).unsqueeze(0).requires_grad_(True)
+    before = w.detach().clone()
+    view = make_view(w if make_view is VIEWS_OF_A_LEAF["squeeze"] else w[0])
+    labels = random_labels(view.shape[0], 257, device)
+    logprobs(view, labels, backend=backend, inplace_backward=True).sum().backward()
+    assert mismatches(w.detach(), before) == 0
+    expected = torch.zeros_like(before)
+    expected_view = make_view(expected if make_view is VIEWS_OF_A_LEAF["squeeze"] else expected[0])
+    expected_view.copy_(logp_and_grad(make_view(before if make_view is VIEWS_OF_A_LEAF["squeeze"] else before[0]),
+                                      labels, backend=backend)[1])
+    assert mismatches(w.grad, expected) == 0
+
+
 def test_inplace_backward_refuses_to_feed_a_later_reader():
     logits = model_like_logits(4, 64, torch.float32, "cpu").requires_grad_(True)
     labels = random_labels(4, 64, "cpu")
@@ -350,7 +413,8 @@ def test_fused_shard_sums_are_given_a_global_max(device):
     engine = make_engine("fused")
     x = model_like_logits(4, 700, torch.float32, device)
     global_max = x.amax(dim=1) + 1.5
-    part, part_entropy = engine.shard_sums(x[:, 100:350], Temperature(), global_max, 40, True)
+    req = engine_request(x[:, 100:350], None, None, engine="fused", entropy=True, start=100, vocab_total=700)
+    part, part_entropy = engine.shard_sums(req, global_max)
     d = x[:, 100:350] - global_max[:, None]
     ref = (torch.exp(d) * 2.0**40).to(torch.int64).sum(dim=1)
     ref_entropy = (torch.exp(d) * d * 2.0**40).to(torch.int64).sum(dim=1)

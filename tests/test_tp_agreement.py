@@ -2,7 +2,11 @@
 
 Every argument that must match across the TP ranks is changed on one rank in turn; every rank must raise
 the same ValueError naming it, within the collective timeout (a hang fails the test), and ranks that
-agree must get TP=1's bits for logp, entropy and their gradients at any vocabulary split.
+agree must get TP=1's bits for logp, entropy and their gradients at any vocabulary split. Both agreement
+modes run: `every_call`, and `first_call` after a call that agreed on the layout (on a CPU group it reads
+the same table, so the same errors). On a GPU, `first_call` runs a TP step with no host sync and captured
+in a CUDA graph (an NCCL group of one rank: one GPU), and a disagreement found on the device turns the
+outputs into NaN and raises at the next call.
 """
 
 import json
@@ -40,7 +44,7 @@ EXPECTED = {
 }
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+def _rank_main(rank: int, world: int, mode: str, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import datetime
 
@@ -48,6 +52,11 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     cuts = random_cuts(VOCAB, world, seed=world)
     results = {}
     for case, make in CASES.items():
+        if mode == "first_call":  # the base layout agreed first, so a rank that keeps it takes the cached path
+            base = model_like_logits(ROWS, VOCAB, torch.bfloat16, "cpu", seed=1)[:, cuts[rank] : cuts[rank + 1]]
+            with torch.no_grad():
+                rl_logp.logprobs(base, random_labels(ROWS, VOCAB, "cpu", seed=1), backend="chunked",
+                                 tp_group=dist.group.WORLD, config={"tp_agreement": mode})
         opts = make(rank)
         rows = opts.pop("rows", ROWS)
         x = model_like_logits(rows, VOCAB, opts.pop("dtype", torch.bfloat16), "cpu", seed=1)
@@ -59,7 +68,8 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         start = time.time()
         try:
             with torch.no_grad():
-                rl_logp.logprobs(shard, y, backend=opts.pop("backend", "chunked"), tp_group=dist.group.WORLD, **opts)
+                rl_logp.logprobs(shard, y, backend=opts.pop("backend", "chunked"), tp_group=dist.group.WORLD,
+                                 config={"tp_agreement": mode}, **opts)
             results[case] = {"error": None}
         except Exception as err:  # recorded for the parent to assert on
             results[case] = {"error": type(err).__name__, "message": str(err)}
@@ -70,7 +80,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     y[1] = -100
     leaf = x[:, cuts[rank] : cuts[rank + 1]].clone().requires_grad_(True)
     logp, h = rl_logp.logprobs_and_entropy(leaf * 1.0, y, backend="chunked", tp_group=dist.group.WORLD,
-                                           temperature=0.7)
+                                           temperature=0.7, config={"tp_agreement": mode})
     (logp.sum() + h.sum()).backward()
     torch.save({"logp": logp.detach(), "entropy": h.detach(), "grad": leaf.grad, "cuts": cuts},
                os.path.join(out_dir, f"tensors.{rank}"))
@@ -85,11 +95,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+@pytest.fixture(scope="module", params=[(2, "every_call"), (3, "every_call"), (2, "first_call"), (3, "first_call")],
+                ids=["world2", "world3", "world2-first_call", "world3-first_call"])
 def world_results(request, tmp_path_factory):
-    world = request.param
+    world, mode = request.param
     out = tmp_path_factory.mktemp(f"tp{world}")
-    torch.multiprocessing.spawn(_rank_main, args=(world, _free_port(), str(out)), nprocs=world, join=True)
+    torch.multiprocessing.spawn(_rank_main, args=(world, mode, _free_port(), str(out)), nprocs=world, join=True)
     errors = [json.loads((out / f"errors.{r}.json").read_text()) for r in range(world)]
     tensors = [torch.load(out / f"tensors.{r}") for r in range(world)]
     return world, errors, tensors
@@ -139,3 +150,76 @@ def _torch_backend_rank(rank: int, port: int, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"m.{rank}"), "w") as f:
         f.write(message)
     dist.destroy_process_group()
+
+
+def _nccl_rank(rank: int, port: int, out_dir: str) -> None:
+    """One rank on one GPU: a TP step in "first_call" mode without host syncs, captured in a CUDA graph, and
+    a disagreement found on the device (a peer's row of the table, faked: one rank cannot disagree)."""
+    from rl_logp import shard_layout
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    group, cfg = dist.group.WORLD, {"tp_agreement": "first_call"}
+    x = model_like_logits(64, 151936, torch.bfloat16, "cuda", seed=4)
+    y = random_labels(64, 151936, "cuda", seed=4)
+    report = {}
+    with torch.no_grad():
+        eager = rl_logp.logprobs(x, y, tp_group=group, config=cfg, temperature=0.7)  # agreed on the host
+        report["tp1_bits"] = mismatches(eager, rl_logp.logprobs(x, y, temperature=0.7))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            rl_logp.logprobs(x, y, tp_group=group, config=cfg, temperature=0.7)
+            report["sync_free"] = True
+        except RuntimeError as err:
+            report["sync_free"] = str(err)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                rl_logp.logprobs(x, y, tp_group=group, config=cfg, temperature=0.7)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = rl_logp.logprobs(x, y, tp_group=group, config=cfg, temperature=0.7)
+            x.copy_(model_like_logits(64, 151936, torch.bfloat16, "cuda", seed=5))
+            graph.replay()
+            torch.cuda.synchronize()
+            report["graph_replay_mismatches"] = mismatches(captured, rl_logp.logprobs(x, y, temperature=0.7))
+        except Exception as err:
+            report["graph_replay_mismatches"] = f"{type(err).__name__}: {err}"
+        real_gather = shard_layout._gather
+
+        def peer_disagrees(group, meta):
+            table = real_gather(group, meta)
+            other = table.clone()
+            other[0, len(shard_layout.FIELDS) - 3] += 1  # the peer's labels checksum
+            return torch.cat([table, other])
+
+        shard_layout._gather = peer_disagrees
+        poisoned = rl_logp.logprobs(x, y, tp_group=group, config=cfg)
+        shard_layout._gather = real_gather
+        report["poisoned_all_nan"] = bool(torch.isnan(poisoned).all())
+        torch.cuda.synchronize()
+        try:
+            rl_logp.logprobs(x, y, tp_group=group, config=cfg)
+            report["later_call"] = "no error"
+        except ValueError as err:
+            report["later_call"] = str(err)
+    with open(os.path.join(out_dir, "nccl.json"), "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_first_call_mode_is_sync_free_capturable_and_fails_closed_on_the_device(tmp_path):
+    torch.multiprocessing.spawn(_nccl_rank, args=(_free_port(), str(tmp_path)), nprocs=1, join=True)
+    report = json.loads((tmp_path / "nccl.json").read_text())
+    assert report["tp1_bits"] == 0, report
+    assert report["sync_free"] is True, report
+    assert report["graph_replay_mismatches"] == 0, report
+    assert report["poisoned_all_nan"] is True, report
+    assert "disagreed on an earlier vocab-parallel call" in report["later_call"], report

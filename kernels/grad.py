@@ -1,4 +1,4 @@
-"""The `fused` backward: the row-local gradient of logp and/or entropy, one read and one write.
+"""The backward kernel: the row-local gradient of logp and/or entropy, one read and one write.
 
 With lp_j = (z_j - M) - L (the contract's log-probability of column j) and p_j = exp(lp_j), the kernel
 writes, in the logits' dtype, exactly the operations of `rl_logp.contract.block_grad`:
@@ -17,11 +17,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fused_forward import exact_exp, row_reciprocal, row_temperature, scale_logits
+from .fixed_point import TEMP_NONE, exact_exp, row_reciprocal, row_temperature, scale_logits
 
 
 @triton.jit
-def _grad_kernel(
+def grad_kernel(
     X, stride_x, DX, stride_dx, LABELS, label_offset, vocab_total, TEMP, t_scalar,
     ROW_MAX, LOG_SUM, ENT, G_LP, stride_g_lp, G_H, stride_g_h, n_cols,
     TEMP_MODE: tl.constexpr, DIV: tl.constexpr, LOGP: tl.constexpr, ENTROPY: tl.constexpr,
@@ -39,7 +39,7 @@ def _grad_kernel(
     p = exact_exp(lp)
     if LOGP:
         g = tl.load(G_LP + row * stride_g_lp)
-        if TEMP_MODE != 0:
+        if TEMP_MODE != TEMP_NONE:
             g = tl.math.div_rn(g, t)
         label = tl.load(LABELS + row)
         valid = (label >= 0) & (label < vocab_total) & live
@@ -48,7 +48,7 @@ def _grad_kernel(
         a = tl.where(valid, a, 0.0)
     if ENTROPY:
         gh = tl.load(G_H + row * stride_g_h)
-        if TEMP_MODE != 0:
+        if TEMP_MODE != TEMP_NONE:
             gh = tl.math.div_rn(gh, t)
         b = (p * (lp + tl.load(ENT + row))) * -gh
         b = tl.where(live, tl.where(p == 0.0, 0.0, b), 0.0)
@@ -60,15 +60,3 @@ def _grad_kernel(
         d = b
     tl.store(DX + row * stride_dx + cols, d.to(DX.dtype.element_ty), mask=mask, cache_modifier=".cs")
 
-
-def launch_grad(x, out, labels, label_offset, vocab_total, temp_mode, temp, t_scalar, row_max, log_sum,
-                entropy, g_lp, g_h, block: int, warps: int, div: int, ftz: bool) -> None:
-    """Write the gradient of the requested outputs (g_lp and/or g_h given) into `out`."""
-    n, vocab = x.shape
-    has_lp, has_h = g_lp is not None, g_h is not None
-    _grad_kernel[(n, triton.cdiv(vocab, block))](
-        x, x.stride(0), out, out.stride(0), labels, label_offset, vocab_total, temp, t_scalar,
-        row_max, log_sum, entropy, g_lp, g_lp.stride(0) if has_lp else 0, g_h, g_h.stride(0) if has_h else 0,
-        vocab, TEMP_MODE=temp_mode, DIV=div, LOGP=has_lp, ENTROPY=has_h, BLOCK=block, num_warps=warps,
-        enable_fp_fusion=False, enable_reflect_ftz=ftz,
-    )

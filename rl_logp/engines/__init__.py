@@ -1,4 +1,10 @@
-"""Which backend runs: `auto` resolution, the fused kernel's availability, and engine construction."""
+"""The invariant engines and which one runs: `auto` resolution, the fused kernels' availability, and
+engine construction.
+
+`base`: the interface (`LogpEngine`) and its results (`RowStats`); `chunked`: the contract in plain torch
+with a bounded workspace (any device); `fused`: the Triton kernels of `rl_logp.kernels` (CUDA, or the CPU
+under Triton's interpreter).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +13,8 @@ import os
 
 import torch
 
-from rl_logp.chunked import ChunkedEngine
-from rl_logp.engine import LogpEngine
+from rl_logp.engines.base import LogpEngine, RowStats
+from rl_logp.engines.chunked import ChunkedEngine
 
 INVARIANT_ENGINES = ("fused", "chunked")
 
@@ -21,7 +27,7 @@ def _interpreting() -> bool:
 def fused_import_error() -> str | None:
     """Why the fused kernels cannot be imported here, or None when they can."""
     try:
-        import rl_logp.kernels.fused_engine  # noqa: F401
+        import rl_logp.engines.fused  # noqa: F401
     except ImportError as err:
         return str(err)
     return None
@@ -51,9 +57,12 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 def make_engine(name: str, chunk_bytes: int) -> LogpEngine:
     """The engine of an invariant backend (`fused` or `chunked`); engines are stateless and cached."""
     if name == "fused":
-        from rl_logp.kernels.fused_engine import FusedEngine
+        from rl_logp.engines.fused import FusedEngine
 
         return FusedEngine()
     if name == "chunked":
         return ChunkedEngine(chunk_bytes)
     raise ValueError(f"rl_logp: {name!r} is not an invariant engine; use one of {', '.join(INVARIANT_ENGINES)}")
+
+
+__all__ = ["INVARIANT_ENGINES", "LogpEngine", "RowStats", "fused_runs_on", "make_engine", "resolve_backend"]

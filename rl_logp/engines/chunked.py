@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import torch
 
 from rl_logp import contract
-from rl_logp.engine import LogpEngine, RowStats
-from rl_logp.temperature import Temperature
+from rl_logp.engines.base import LogpEngine, RowStats
+from rl_logp.request import LogpRequest
 
 # Workspace bytes per element of a block: an fp32 copy of the logits plus its int64 fixed-point terms.
 WORKSPACE_BYTES_PER_ELEMENT = 12
@@ -60,7 +60,8 @@ class ChunkedEngine(LogpEngine):
     def _plan(self, vocab: int) -> ChunkPlan:
         return ChunkPlan.for_budget(vocab, self.chunk_bytes)
 
-    def _max(self, x: torch.Tensor, temp: Temperature) -> torch.Tensor:
+    def shard_max(self, req: LogpRequest) -> torch.Tensor:
+        x, temp = req.logits, req.temperature
         n, vocab = x.shape
         out = torch.full((n,), contract.NEG_INF, dtype=torch.float32, device=x.device)
         for rows, cols in self._plan(vocab).blocks(n, vocab):
@@ -68,64 +69,46 @@ class ChunkedEngine(LogpEngine):
             torch.maximum(out[rows], block, out=out[rows])
         return contract.mark_bad_rows(out, temp.bad_rows())
 
-    def shard_max(self, x: torch.Tensor, temp: Temperature) -> torch.Tensor:
-        return contract.nan_as_inf(self._max(x, temp))
-
-    def shard_sums(
-        self, x: torch.Tensor, temp: Temperature, row_max: torch.Tensor, bits: int, entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def shard_sums(self, req: LogpRequest, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x, temp = req.logits, req.temperature
         n, vocab = x.shape
         fixed = torch.zeros(n, dtype=torch.int64, device=x.device)
-        entropy_fixed = torch.zeros(n, dtype=torch.int64, device=x.device) if entropy else None
+        entropy_fixed = torch.zeros(n, dtype=torch.int64, device=x.device) if req.entropy else None
         for rows, cols in self._plan(vocab).blocks(n, vocab):
             z = contract.scaled_logits(x[rows, cols], temp.divisor(rows, x.device))
-            s, e = contract.block_fixed_sums_(z, row_max[rows], bits, entropy)
+            s, e = contract.block_fixed_sums_(z, row_max[rows], req.bits, req.entropy)
             fixed[rows] += s
-            if entropy:
+            if req.entropy:
                 entropy_fixed[rows] += e
         return fixed, entropy_fixed
 
-    def row_stats(
-        self, x: torch.Tensor, temp: Temperature, labels: torch.Tensor | None, bits: int, entropy: bool
-    ) -> RowStats:
-        row_max = self._max(x, temp)
-        fixed, entropy_fixed = self.shard_sums(x, temp, row_max, bits, entropy)
-        log_sum, lse, ent = contract.finalize(row_max, fixed, entropy_fixed, bits)
+    def row_stats(self, req: LogpRequest) -> RowStats:
+        x = req.logits
+        row_max = self.shard_max(req)
+        fixed, entropy_fixed = self.shard_sums(req, row_max)
+        log_sum, lse, ent = contract.finalize(row_max, fixed, entropy_fixed, req.bits)
         logp = None
-        if labels is not None:
-            everything = slice(0, x.shape[0])
-            target = contract.shard_target_logit(x, labels, temp.divisor(everything, x.device))
-            logp = contract.assemble_logp(target, row_max, log_sum, labels, x.shape[1])
+        if req.labels is not None:
+            divisor = req.temperature.divisor(slice(0, x.shape[0]), x.device)
+            target = contract.shard_target_logit(x, req.labels, divisor)
+            logp = contract.assemble_logp(target, row_max, log_sum, req.labels, x.shape[1])
         return RowStats(row_max=row_max, log_sum=log_sum, lse=lse, logp=logp, entropy=ent)
 
-    def grad(
-        self,
-        x: torch.Tensor,
-        temp: Temperature,
-        labels: torch.Tensor | None,
-        label_offset: int,
-        vocab_total: int,
-        row_max: torch.Tensor,
-        log_sum: torch.Tensor,
-        entropy: torch.Tensor | None,
-        g_logp: torch.Tensor | None,
-        g_entropy: torch.Tensor | None,
-        out: torch.Tensor,
-    ) -> None:
+    def grad(self, req: LogpRequest, stats: RowStats, g_logp: torch.Tensor | None, g_entropy: torch.Tensor | None,
+             out: torch.Tensor) -> None:
+        x, temp, labels = req.logits, req.temperature, req.labels
         n, vocab = x.shape
-        everything = slice(0, n)
-        divisor = temp.divisor(everything, x.device)
+        divisor = temp.divisor(slice(0, n), x.device)
         if g_logp is not None:
-            valid = (labels >= 0) & (labels < vocab_total)
+            valid = (labels >= 0) & (labels < req.vocab_total)
             s_lp = contract.grad_scale(g_logp, divisor)
         if g_entropy is not None:
             s_h = contract.grad_scale(g_entropy, divisor)
         for rows, cols in self._plan(vocab).blocks(n, vocab):
             logp_part = None
             if g_logp is not None:
-                logp_part = (labels[rows] - label_offset - cols.start, valid[rows], s_lp[rows])
-            entropy_part = None if g_entropy is None else (entropy[rows], s_h[rows])
-            block = contract.block_grad(
-                x[rows, cols], temp.divisor(rows, x.device), row_max[rows], log_sum[rows], logp_part, entropy_part
-            )
+                logp_part = (labels[rows] - req.vocab_offset - cols.start, valid[rows], s_lp[rows])
+            entropy_part = None if g_entropy is None else (stats.entropy[rows], s_h[rows])
+            block = contract.block_grad(x[rows, cols], temp.divisor(rows, x.device), stats.row_max[rows],
+                                        stats.log_sum[rows], logp_part, entropy_part)
             out[rows, cols].copy_(block)

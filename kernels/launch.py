@@ -1,0 +1,147 @@
+"""Launches of the forward and backward kernels: tensors and integers in, preallocated outputs written.
+
+Launch parameters live in `LaunchConfig`, beside the launches that read them; every variant gives the
+same bits. The defaults are the H200 measurements' choice (docs/performance.md). Each launch runs on the
+current stream of the tensors' device, allocates nothing (the two-pass forward aside, which keeps the row
+max in `out_max`), never syncs the host, and so can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+
+from .fixed_point import (
+    DIV_IEEE,
+    DIV_RECIPROCAL,
+    INTERPRET,
+    MAX_SPLIT_BITS,
+    QUANT_CAST,
+    QUANT_SPLIT,
+    SPLIT_HI_BITS,
+    split_constants,
+)
+from .grad import grad_kernel
+from .launcher import CachedKernel, on_device
+from .row_stats import MAX_GIVEN, MAX_SCAN, RESULT_MAX, RESULT_ROW, RESULT_SUMS, row_stats_kernel
+
+_ROW_STATS = CachedKernel(row_stats_kernel)
+_GRAD = CachedKernel(grad_kernel)
+INTERPRETER_SLOTS = 4  # programs the interpreter runs in place of a GPU's SMs
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Launch parameters of the kernels (every variant gives the same bits).
+
+    chunk: logits per tile of the forward (a power of two); width: columns of one tile row (chunk // width
+    tile rows); warps: per forward program; programs_per_sm: persistent forward programs per SM (0: one
+    program per row); two_pass: the row max in a launch of its own, then the sums (both passes read the
+    logits from HBM; the default re-reads each row right after scanning it, mostly from L2); quant:
+    QUANT_SPLIT or QUANT_CAST (the split is used where it is exact); div: DIV_IEEE or DIV_RECIPROCAL (the
+    IEEE quotient either way; the interpreter's fma is not fused, so it divides with div_rn); ftz:
+    libdevice's flush-to-zero `exp` (torch's CUDA `exp` is not flushed: False keeps subnormal results the
+    same bits); grad_block, grad_warps: the backward's tile and warps.
+    """
+
+    chunk: int = 4096
+    width: int = 4096
+    warps: int = 8
+    programs_per_sm: int = 2
+    two_pass: bool = False
+    quant: int = QUANT_SPLIT.value
+    div: int = DIV_IEEE.value if INTERPRET else DIV_RECIPROCAL.value
+    ftz: bool = False
+    grad_block: int = 4096
+    grad_warps: int = 8
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _programs(x: torch.Tensor, cfg: LaunchConfig) -> int:
+    n = x.shape[0]
+    if cfg.programs_per_sm == 0:
+        return n
+    slots = INTERPRETER_SLOTS if not x.is_cuda else cfg.programs_per_sm * _sm_count(x.device.index)
+    return max(1, min(n, slots))
+
+
+def _quant(vocab: int, bits: int, cfg: LaunchConfig) -> int:
+    """The split quantisation where its per-lane uint32 sums cannot wrap past their bias (see
+    `fixed_point.lane_total`), else the plain conversion."""
+    tiles = triton.cdiv(max(vocab, 1), cfg.chunk)
+    if cfg.quant == QUANT_SPLIT.value and bits <= MAX_SPLIT_BITS and tiles < 2 ** (32 - min(SPLIT_HI_BITS, bits // 2)):
+        return QUANT_SPLIT.value
+    return QUANT_CAST.value
+
+
+def _forward(x, labels, temp_mode, temp_rows, t_scalar, max_in, outs, sums, bits, entropy, max_from, result, cfg):
+    n, vocab = x.shape
+    device = x.device.index if x.is_cuda else -1
+    with on_device(x):
+        _ROW_STATS(
+            (_programs(x, cfg), 1, 1), device,
+            x, x.stride(0), labels, temp_rows, t_scalar, max_in, *outs, *sums,
+            n, vocab, float(2.0**bits), 2.0**-bits,
+            max_from, result, temp_mode, cfg.div, entropy, cfg.chunk, min(cfg.width, cfg.chunk),
+            _quant(vocab, bits, cfg), *split_constants(bits),
+            num_warps=cfg.warps, ftz=cfg.ftz,
+        )
+
+
+def row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, temp_rows: torch.Tensor | None,
+              t_scalar: float, bits: int, entropy: bool, out_max: torch.Tensor | None,
+              out_log_sum: torch.Tensor | None, out_lse: torch.Tensor | None, out_logp: torch.Tensor | None,
+              out_ent: torch.Tensor | None, cfg: LaunchConfig) -> None:
+    """Whole rows of x [n, V]: write each output that is given (fp32 [n]): M, L, lse, logp of `labels`
+    (int64 [n]; given with out_logp) and, with `entropy`, the entropy. `cfg.two_pass` needs out_max."""
+    outs = (out_max, out_log_sum, out_lse, out_logp, out_ent)
+    if cfg.two_pass:
+        _forward(x, None, temp_mode, temp_rows, t_scalar, None, (out_max, None, None, None, None), (None, None),
+                 bits, False, MAX_SCAN.value, RESULT_MAX.value, cfg)
+        _forward(x, labels, temp_mode, temp_rows, t_scalar, out_max, outs, (None, None), bits, entropy,
+                 MAX_GIVEN.value, RESULT_ROW.value, cfg)
+        return
+    _forward(x, labels, temp_mode, temp_rows, t_scalar, None, outs, (None, None), bits, entropy, MAX_SCAN.value,
+             RESULT_ROW.value, cfg)
+
+
+def shard_max(x: torch.Tensor, temp_mode: int, temp_rows: torch.Tensor | None, t_scalar: float,
+              out_max: torch.Tensor, cfg: LaunchConfig) -> None:
+    """The row max of z over x's columns (fp32 [n], NaN for a NaN row or a bad row temperature)."""
+    _forward(x, None, temp_mode, temp_rows, t_scalar, None, (out_max, None, None, None, None), (None, None), 40,
+             False, MAX_SCAN.value, RESULT_MAX.value, cfg)
+
+
+def shard_sums(x: torch.Tensor, temp_mode: int, temp_rows: torch.Tensor | None, t_scalar: float,
+               row_max: torch.Tensor, bits: int, entropy: bool, out_s: torch.Tensor, out_e: torch.Tensor | None,
+               cfg: LaunchConfig) -> None:
+    """S (and with `entropy` E) of x's columns given the row max, int64 [n] each."""
+    _forward(x, None, temp_mode, temp_rows, t_scalar, row_max, (None,) * 5, (out_s, out_e), bits, entropy,
+             MAX_GIVEN.value, RESULT_SUMS.value, cfg)
+
+
+def grad(x: torch.Tensor, out: torch.Tensor, labels: torch.Tensor | None, label_offset: int, vocab_total: int,
+         temp_mode: int, temp_rows: torch.Tensor | None, t_scalar: float, row_max: torch.Tensor,
+         log_sum: torch.Tensor, entropy: torch.Tensor | None, g_logp: torch.Tensor | None,
+         g_entropy: torch.Tensor | None, cfg: LaunchConfig) -> None:
+    """Write into `out` (may be x) the gradient of logp (g_logp given) and/or entropy (g_entropy given).
+    `labels` are global column ids; x holds columns [label_offset, label_offset + c) of `vocab_total`."""
+    n, vocab = x.shape
+    has_lp, has_h = g_logp is not None, g_entropy is not None
+    with on_device(x):
+        _GRAD(
+            (n, triton.cdiv(vocab, cfg.grad_block), 1), x.device.index if x.is_cuda else -1,
+            x, x.stride(0), out, out.stride(0), labels, label_offset, vocab_total, temp_rows, t_scalar,
+            row_max, log_sum, entropy, g_logp, g_logp.stride(0) if has_lp else 0, g_entropy,
+            g_entropy.stride(0) if has_h else 0, vocab,
+            temp_mode, cfg.div, has_lp, has_h, cfg.grad_block,
+            num_warps=cfg.grad_warps, ftz=cfg.ftz,
+        )
+

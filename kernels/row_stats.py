@@ -1,0 +1,123 @@
+"""The forward kernel: per-row statistics of the invariant-logp contract, whole rows per program.
+
+A program takes rows `pid, pid + P, pid + 2P, ...` (P programs, persistent). For each row:
+1. (`MAX_SCAN`) the exact max of x over the row, tile by tile, divided once by T (correctly rounded
+   division is monotonic), -0.0 made +0.0, NaN for a row whose temperature is not finite and > 0; or
+   (`MAX_GIVEN`) the max read from `MAX_IN` (an earlier launch's, or the all-reduced max of a vocab shard);
+2. unless only the max is asked for (`RESULT_MAX`): a second pass over the row (read again: from L2 when
+   the row was just scanned) sums trunc(exp(z - M) 2^F) and, with ENTROPY, trunc(exp(z - M)(M - z) 2^F)
+   in per-lane exact integers (see `kernels.fixed_point`), one reduction per row;
+3. `RESULT_ROW`: the row's finish in the kernel (`finalize_row`: L = fp32(log(S 2^-F)) in fp64, the
+   contract's lse, logp = (z[y] - M) - L and the entropy), each output stored where its pointer is
+   given; `RESULT_SUMS`: S and E as int64 (a vocab shard's part of the all-reduced sums);
+   `RESULT_MAX`: M only (NaN kept; the vocab-parallel provider maps it for its all-reduce).
+No atomics, no workspace, no host sync: one launch per call, capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .fixed_point import (
+    DIV_IEEE,
+    TEMP_NONE,
+    accumulate,
+    bad_temperature,
+    exact_log,
+    lane_total,
+    max_all,
+    max_nan,
+    row_reciprocal,
+    row_temperature,
+    scale_logits,
+    zero_accumulators,
+)
+
+MAX_SCAN: tl.constexpr = tl.constexpr(0)
+MAX_GIVEN: tl.constexpr = tl.constexpr(1)
+RESULT_ROW: tl.constexpr = tl.constexpr(0)
+RESULT_SUMS: tl.constexpr = tl.constexpr(1)
+RESULT_MAX: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def finalize_row(row, row_max, fixed, entropy_fixed, x_row, LABELS, t, n_cols, log_scale,
+                 OUT_MAX, OUT_LOGSUM, OUT_LSE, OUT_LOGP, OUT_ENT, TEMP_MODE: tl.constexpr):
+    """The contract's per-row finish (rl_logp/contract.py `finalize`), in the same operations."""
+    s = fixed.to(tl.float64)
+    log_sum = exact_log(s * log_scale)
+    bad = (row_max != row_max) | (row_max == float("inf"))
+    log_sum32 = tl.where(bad, float("nan"), log_sum.to(tl.float32))
+    if OUT_MAX is not None:
+        tl.store(OUT_MAX + row, row_max)
+    if OUT_LOGSUM is not None:
+        tl.store(OUT_LOGSUM + row, log_sum32)
+    if OUT_LSE is not None:
+        tl.store(OUT_LSE + row, tl.where(bad, float("nan"), (row_max.to(tl.float64) + log_sum).to(tl.float32)))
+    if OUT_LOGP is not None:
+        label = tl.load(LABELS + row)
+        owned = (label >= 0) & (label < n_cols)
+        picked = tl.load(x_row + tl.where(owned, label, 0))
+        target = scale_logits(picked, t, 0.0, TEMP_MODE, DIV_IEEE)
+        logp = (target - row_max) - log_sum32
+        tl.store(OUT_LOGP + row, tl.where(owned & (row_max != float("-inf")), logp, 0.0))
+    if OUT_ENT is not None:
+        h = log_sum - entropy_fixed.to(tl.float64) / s
+        h32 = tl.where(fixed > 0, h, 0.0).to(tl.float32)
+        tl.store(OUT_ENT + row, tl.where(bad, float("nan"), h32))
+
+
+@triton.jit
+def row_stats_kernel(
+    X, stride_x, LABELS, TEMP, t_scalar, MAX_IN,
+    OUT_MAX, OUT_LOGSUM, OUT_LSE, OUT_LOGP, OUT_ENT, OUT_S, OUT_E,
+    n_rows, n_cols, q_scale, log_scale,
+    MAX_FROM: tl.constexpr, RESULT: tl.constexpr, TEMP_MODE: tl.constexpr, DIV: tl.constexpr,
+    ENTROPY: tl.constexpr, CHUNK: tl.constexpr, WIDTH: tl.constexpr, QUANT: tl.constexpr,
+    HI_BIAS: tl.constexpr, LO_BIAS: tl.constexpr, LO_BITS: tl.constexpr, HI_PATTERN: tl.constexpr,
+    LO_PATTERN: tl.constexpr,
+):
+    ROWS_PER_CHUNK: tl.constexpr = CHUNK // WIDTH
+    tile = tl.arange(0, ROWS_PER_CHUNK)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
+    row = tl.program_id(0).to(tl.int64)
+    while row < n_rows:
+        x_row = X + row * stride_x
+        t = row_temperature(TEMP, t_scalar, row, TEMP_MODE)
+        if MAX_FROM == MAX_SCAN:
+            lane_max = tl.full(tile.shape, float("-inf"), tl.float32)
+            for c in range(0, n_cols, CHUNK):
+                xc = tl.load(x_row + c + tile, mask=c + tile < n_cols, other=float("-inf"),
+                             eviction_policy="evict_last")
+                lane_max = max_nan(lane_max, xc.to(tl.float32))
+            m = max_all(lane_max)
+            if TEMP_MODE != TEMP_NONE:
+                m = tl.math.div_rn(m, t)
+            row_max = tl.where(bad_temperature(t, TEMP_MODE), float("nan"), m + 0.0)
+        else:
+            row_max = tl.load(MAX_IN + row)
+        if RESULT == RESULT_MAX:
+            tl.store(OUT_MAX + row, row_max)
+        else:
+            shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+            inv_t = row_reciprocal(t, row_max, TEMP_MODE, DIV)
+            s_hi, s_lo, e_hi, e_lo = zero_accumulators(tile, QUANT)
+            n_tiles = tl.zeros([], tl.int32)
+            for c in range(0, n_cols, CHUNK):
+                xc = tl.load(x_row + c + tile, mask=c + tile < n_cols, other=float("-inf"),
+                             eviction_policy="evict_first")
+                s_hi, s_lo, e_hi, e_lo = accumulate(s_hi, s_lo, e_hi, e_lo, scale_logits(xc, t, inv_t, TEMP_MODE, DIV),
+                                                    shift, q_scale, ENTROPY, QUANT, HI_BIAS, LO_BIAS)
+                n_tiles += 1
+            fixed = lane_total(s_hi, s_lo, n_tiles, QUANT, LO_BITS, HI_PATTERN, LO_PATTERN)
+            entropy_fixed = fixed * 0
+            if ENTROPY:
+                entropy_fixed = 0 - lane_total(e_hi, e_lo, n_tiles, QUANT, LO_BITS, HI_PATTERN, LO_PATTERN)
+            if RESULT == RESULT_SUMS:
+                tl.store(OUT_S + row, fixed)
+                if ENTROPY:
+                    tl.store(OUT_E + row, entropy_fixed)
+            else:
+                finalize_row(row, row_max, fixed, entropy_fixed, x_row, LABELS, t, n_cols, log_scale,
+                             OUT_MAX, OUT_LOGSUM, OUT_LSE, OUT_LOGP, OUT_ENT, TEMP_MODE)
+        row += tl.num_programs(0)

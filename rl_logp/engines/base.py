@@ -1,0 +1,52 @@
+"""The interface every invariant engine implements, and the statistics it returns.
+
+An engine scores one `LogpRequest` (`rl_logp.request`): its logits are a 2-D block [n, c], a whole
+vocabulary or one rank's contiguous slice. The ops (`rl_logp.ops`) and the vocab-parallel provider
+(`rl_logp.vocab_parallel`) call these methods; two engines that keep the contract (`rl_logp.contract`)
+give the same bits on the same device.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import torch
+
+from rl_logp.request import LogpRequest
+
+
+@dataclasses.dataclass
+class RowStats:
+    """Per-row results of a forward over whole rows (fp32 [n] each; None where not asked for)."""
+
+    row_max: torch.Tensor | None = None
+    log_sum: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    logp: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+class LogpEngine(abc.ABC):
+    """Statistics of whole rows, of vocabulary shards, and the row-local gradient."""
+
+    name = "engine"
+
+    @abc.abstractmethod
+    def row_stats(self, req: LogpRequest) -> RowStats:
+        """Of whole rows: logp of `req.labels` (given), the entropy (`req.entropy`), and M, L, lse
+        (`req.normalizer`); engines may fill more than asked."""
+
+    @abc.abstractmethod
+    def shard_max(self, req: LogpRequest) -> torch.Tensor:
+        """Max of z per row of a shard, fp32 [n] (NaN rows as NaN; -inf for a zero-width shard)."""
+
+    @abc.abstractmethod
+    def shard_sums(self, req: LogpRequest, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(S, E) per row of a shard given the global max, int64 [n]; E is None without `req.entropy`."""
+
+    @abc.abstractmethod
+    def grad(self, req: LogpRequest, stats: RowStats, g_logp: torch.Tensor | None, g_entropy: torch.Tensor | None,
+             out: torch.Tensor) -> None:
+        """Write dz (logp part with g_logp, entropy part with g_entropy, or both) into `out` (may be the
+        logits), from the forward's M, L and entropy in `stats`."""

@@ -1,0 +1,98 @@
+"""The `fused` engine: the Triton kernels of `rl_logp.kernels` behind the engine interface.
+
+It allocates the outputs a request asks for, turns the request's `Temperature` into the kernels' mode
+and arguments, and launches (`rl_logp.kernels.launch`). Launch parameters: `LaunchConfig`, overridden by
+`RL_LOGP_FUSED_CONFIG` (a JSON object of its fields; a tuning knob for other GPUs: every variant gives
+the same bits). Same bits as `ChunkedEngine` on the same GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import torch
+
+from rl_logp.engines.base import LogpEngine, RowStats
+from rl_logp.kernels import launch
+from rl_logp.kernels.fixed_point import TEMP_NONE, TEMP_ROWS, TEMP_SCALAR
+from rl_logp.kernels.launch import LaunchConfig
+from rl_logp.request import LogpRequest
+from rl_logp.temperature import Temperature
+
+TUNING_VARIABLE = "RL_LOGP_FUSED_CONFIG"
+
+
+def config_from_environment() -> LaunchConfig:
+    """`LaunchConfig()` with the overrides of RL_LOGP_FUSED_CONFIG. Unknown fields or types are an error."""
+    raw = os.environ.get(TUNING_VARIABLE)
+    if not raw:
+        return LaunchConfig()
+    try:
+        overrides = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"rl_logp: {TUNING_VARIABLE}={raw!r} is not JSON ({err})") from None
+    fields = {f.name for f in dataclasses.fields(LaunchConfig)}
+    if not isinstance(overrides, dict) or set(overrides) - fields:
+        raise ValueError(f"rl_logp: {TUNING_VARIABLE} must be a JSON object with keys among {sorted(fields)}, got {raw!r}")
+    for key, value in overrides.items():
+        if type(value) is not type(getattr(LaunchConfig, key)):
+            raise ValueError(f"rl_logp: {TUNING_VARIABLE}: {key}={value!r} must be a {type(getattr(LaunchConfig, key)).__name__}")
+    return LaunchConfig(**overrides)
+
+
+def _temperature_args(temp: Temperature) -> tuple[int, torch.Tensor | None, float]:
+    """(mode, per-row tensor or None, scalar) as the kernels take them."""
+    if temp.rows is not None:
+        return TEMP_ROWS.value, temp.rows, 1.0
+    return (TEMP_NONE.value if temp.scalar == 1.0 else TEMP_SCALAR.value), None, temp.scalar
+
+
+class FusedEngine(LogpEngine):
+    """Same bits as `ChunkedEngine` on the same GPU (see the kernels' module docstrings)."""
+
+    name = "fused"
+
+    def __init__(self, config: LaunchConfig | None = None) -> None:
+        self.config = config or config_from_environment()
+
+    def row_stats(self, req: LogpRequest) -> RowStats:
+        x = req.logits
+        n = x.shape[0]
+
+        def out(wanted: bool) -> torch.Tensor | None:  # separate tensors: op outputs may not alias each other
+            return torch.empty(n, dtype=torch.float32, device=x.device) if wanted else None
+
+        normalizer = req.normalizer or self.config.two_pass
+        stats = RowStats(row_max=out(normalizer), log_sum=out(req.normalizer), lse=out(req.normalizer),
+                         logp=out(req.labels is not None), entropy=out(req.entropy))
+        launch.row_stats(x, req.labels, *_temperature_args(req.temperature), req.bits, req.entropy, stats.row_max,
+                         stats.log_sum, stats.lse, stats.logp, stats.entropy, self.config)
+        return stats
+
+    def shard_max(self, req: LogpRequest) -> torch.Tensor:
+        x = req.logits
+        n = x.shape[0]
+        row_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
+        if x.shape[1] and n:
+            launch.shard_max(x, *_temperature_args(req.temperature), row_max, self.config)
+        return row_max
+
+    def shard_sums(self, req: LogpRequest, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = req.logits
+        n = x.shape[0]
+        fixed = torch.zeros(n, dtype=torch.int64, device=x.device)
+        entropy_fixed = torch.zeros(n, dtype=torch.int64, device=x.device) if req.entropy else None
+        if x.shape[1] and n:
+            launch.shard_sums(x, *_temperature_args(req.temperature), row_max.contiguous(), req.bits, req.entropy,
+                              fixed, entropy_fixed, self.config)
+        return fixed, entropy_fixed
+
+    def grad(self, req: LogpRequest, stats: RowStats, g_logp: torch.Tensor | None, g_entropy: torch.Tensor | None,
+             out: torch.Tensor) -> None:
+        x = req.logits
+        if x.shape[0] == 0 or x.shape[1] == 0:
+            return
+        launch.grad(x, out, req.labels, req.vocab_offset, req.vocab_total, *_temperature_args(req.temperature),
+                    stats.row_max, stats.log_sum, stats.entropy, g_logp, g_entropy, self.config)
