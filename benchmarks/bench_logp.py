@@ -267,12 +267,10 @@ def sweep_variants(smoke: bool) -> list[dict]:
     if smoke:
         return [{}, {"chunk": 512, "width": 512}]
     forward = [{}, {"two_pass": True}, {"programs_per_sm": 0}]
-    forward += [{"chunk": c, "width": min(c, w), "warps": wp, "programs_per_sm": p}
-                for c, w, wp, p in [(4096, 4096, 8, 1), (4096, 4096, 8, 4), (8192, 8192, 8, 2), (8192, 8192, 16, 2),
-                                    (2048, 2048, 4, 4), (2048, 2048, 4, 8), (4096, 1024, 8, 2), (8192, 8192, 16, 1)]]
-    forward += [{"two_pass": True, "chunk": 8192, "width": 8192, "warps": 16, "programs_per_sm": 1},
-                {"quant": 0}]
-    backward = [{"grad_block": b, "grad_warps": w} for b, w in [(8192, 8), (2048, 4), (4096, 4), (8192, 16)]]
+    forward += [{"chunk": c, "width": c, "warps": wp, "programs_per_sm": p}
+                for c, wp, p in [(4096, 8, 1), (4096, 8, 4), (8192, 16, 1), (2048, 4, 4), (2048, 4, 8)]]
+    forward += [{"two_pass": True, "chunk": 8192, "width": 8192, "warps": 16, "programs_per_sm": 1}, {"quant": 0}]
+    backward = [{"grad_block": b, "grad_warps": w} for b, w in [(8192, 8), (2048, 4), (4096, 4)]]
     return forward + backward
 
 

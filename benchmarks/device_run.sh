@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: lay out the package, install the carried wheels (.whl/, see
 # benchmarks/make_device_bundle.sh), then run the stages named in STAGES (default: tests bench):
-#   tests     the GPU tests (TEST_FILES, TEST_FILTER) -> $OUT/gpu_tests.txt, then the vLLM and sampling-mask
-#             CUDA tests against vLLM 0.24.0 -> $OUT/gpu_tests_vllm.txt
-#   sweep     bench_logp.py --suites sweep rollout overhead (launch variants of the fused kernels)
-#   autotune  bench_logp.py --suites autotune: the fastest launch variant, exported as RL_LOGP_FUSED_CONFIG
-#             to the later stages -> $OUT/h200_autotune.json, $OUT/fused_config.json
-#   bench     bench_logp.py (main + rollout + overhead suites) -> $OUT/h200_bench.json
+#   tests     the GPU tests (TEST_FILES, TEST_FILTER) -> $OUT/gpu_tests.txt
+#   sweep     bench_logp.py --suites sweep: launch variants of the fused kernels -> $OUT/h200_sweep.json
+#   calls     bench_logp.py --suites rollout tp: rollout-size calls, host time, TP agreement cost
+#             -> $OUT/h200_calls.json
+#   bench     bench_logp.py --suites main: every provider at 8192 and 32768 rows -> $OUT/h200_bench.json
 #   verl      bench_verl_step.py -> $OUT/h200_verl_step.json
 #   rollout   bench_rollout.py against each carried vLLM -> $OUT/h200_rollout_<version>.json
 #   check     the TP=2 agreement check with each carried vLLM as the rollout side
-# Usage (on the GPU machine, from the repo root): STAGES="tests sweep" bash benchmarks/device_run.sh
+# RL_LOGP_FUSED_CONFIG, when set, reaches every stage. Usage (on the GPU machine, from the repo root):
+#   STAGES="tests sweep" bash benchmarks/device_run.sh
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -38,15 +38,18 @@ for stage in ${STAGES}; do
   case "${stage}" in
     tests)
       # shellcheck disable=SC2086
-      timeout "${TEST_TIMEOUT:-240}" python3 -P -m pytest -q ${TEST_FILES:-tests/test_fused_kernel.py tests/test_invariance.py tests/test_reference_accuracy.py tests/test_entropy.py tests/test_compile.py} \
-        -k "${TEST_FILTER:-not cpu}" -p no:cacheprovider -rA -x 2>&1 | quiet > "$OUT/gpu_tests.txt"
+      timeout "${TEST_TIMEOUT:-240}" python3 -P -m pytest -q ${TEST_FILES:-tests/test_fused_kernel.py tests/test_invariance.py tests/test_compile.py tests/test_tp_agreement.py tests/test_entropy.py tests/test_api_and_config.py tests/test_reference_accuracy.py} \
+        -k "${TEST_FILTER:-not cpu and not world}" -p no:cacheprovider -rA 2>&1 | quiet > "$OUT/gpu_tests.txt"
       grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/gpu_tests.txt" | tail -25 ;;
     sweep)
-      timeout "${SWEEP_TIMEOUT:-300}" python3 -P benchmarks/bench_logp.py --suites sweep rollout overhead --rows 32768 \
-        --reps "${REPS:-10}" --out "$OUT/h200_sweep.json" 2>&1 | tail -40 ;;
+      timeout "${SWEEP_TIMEOUT:-300}" python3 -P benchmarks/bench_logp.py --suites sweep --rows 32768 \
+        --reps "${REPS:-5}" --out "$OUT/h200_sweep.json" 2>&1 | grep -v '^{' | tail -30 ;;
+    calls)
+      timeout "${CALLS_TIMEOUT:-150}" python3 -P benchmarks/bench_logp.py --suites rollout tp \
+        --out "$OUT/h200_calls.json" 2>&1 | grep -v '^{' | tail -40 ;;
     bench)
-      timeout "${BENCH_TIMEOUT:-330}" python3 -P benchmarks/bench_logp.py --suites main rollout overhead \
-        --reps "${REPS:-10}" --out "$OUT/h200_bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -60 ;;
+      timeout "${BENCH_TIMEOUT:-330}" python3 -P benchmarks/bench_logp.py --suites main \
+        --reps "${REPS:-10}" --out "$OUT/h200_bench.json" 2>&1 | grep -v '^{' | tee "$OUT/bench.txt" | tail -60 ;;
     verl)
       timeout "${VERL_TIMEOUT:-480}" python3 -P benchmarks/bench_verl_step.py --reps "${REPS:-10}" \
         --out "$OUT/h200_verl_step.json" 2>&1 | quiet | tee "$OUT/verl_step.txt" | tail -30 ;;

@@ -24,8 +24,11 @@ try:
     from triton import knobs
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import native_specialize_impl
+
+    # NVIDIA's backend specializes as the base backend does (AMD's does not): the key below is Triton's.
+    CUDA_SPECIALIZATION = torch.version.hip is None
 except ImportError:  # another Triton release: every launch takes Triton's own path
-    native_specialize_impl = None
+    CUDA_SPECIALIZATION = False
 
 
 class CachedKernel:
@@ -49,7 +52,7 @@ class CachedKernel:
 
     def __call__(self, grid: tuple[int, int, int], device: int, *args, num_warps: int, ftz: bool = False) -> None:
         options = (num_warps, ftz)
-        if INTERPRET or native_specialize_impl is None or knobs.runtime.launch_enter_hook is not None:
+        if INTERPRET or not CUDA_SPECIALIZATION or knobs.runtime.launch_enter_hook is not None:
             self._launch_through_triton(grid, args, options)
             return
         key = self._key(device, args, options)
