@@ -15,6 +15,7 @@ Suites (`--suites`), each row written to the JSON (`--out`) as soon as it is mea
   rollout  one call per decode step at N in {1, 8, 64, 256, 1024}: wall time per call over a loop of
            calls (synchronised at the end, host and launches included: what vLLM's sampler sees), CUDA time
            per call, and host time per call (the loop without waiting for the GPU).
+  overhead host time per call of each piece of a rollout-size `rl_logp.logprobs`.
   tp       the cost of the TP agreement per call: `rl_logp.logprobs` with a `tp_group` (an NCCL group of
            this one process on a GPU, gloo on the CPU) in `tp_agreement` modes `every_call` (a host sync)
            and `first_call`, beside the same call without a group, at rollout and training sizes.
@@ -265,12 +266,13 @@ def run_main(args, device, bandwidth, report: Report) -> None:
 def sweep_variants(smoke: bool) -> list[dict]:
     """Overrides of `LaunchConfig` to time (the first is the default)."""
     if smoke:
-        return [{}, {"chunk": 512, "width": 512}]
-    forward = [{}, {"two_pass": True}, {"programs_per_sm": 0}]
-    forward += [{"chunk": c, "width": c, "warps": wp, "programs_per_sm": p}
-                for c, wp, p in [(4096, 8, 1), (4096, 8, 4), (8192, 16, 1), (2048, 4, 4), (2048, 4, 8)]]
-    forward += [{"two_pass": True, "chunk": 8192, "width": 8192, "warps": 16, "programs_per_sm": 1}, {"quant": 0}]
-    backward = [{"grad_block": b, "grad_warps": w} for b, w in [(8192, 8), (2048, 4), (4096, 4)]]
+        return [{}, {"chunk": 512, "lane": 8}]
+    forward = [{}, {"lane": 1}, {"lane": 4}, {"lane": 8, "programs_per_sm": 8}, {"lane": 8, "programs_per_sm": 2},
+               {"lane": 8, "chunk": 8192}, {"lane": 16, "chunk": 8192}, {"lane": 8, "chunk": 2048, "warps": 4,
+                                                                          "programs_per_sm": 8},
+               {"lane": 8, "warps": 4, "programs_per_sm": 8}, {"lane": 8, "programs_per_sm": 0},
+               {"lane": 8, "two_pass": True}]
+    backward = [{"grad_block": 8192, "grad_warps": 8}, {"grad_block": 2048, "grad_warps": 4}]
     return forward + backward
 
 
@@ -335,13 +337,57 @@ def run_rollout(args, device, report: Report) -> None:
                 report.add(row)
 
 
+def run_overhead(args, device, report: Report) -> None:
+    """Host time per call of the pieces of a rollout-size `rl_logp.logprobs` (8 rows, T=0.7), the loop not
+    waiting for the GPU: where the host time of a call goes."""
+    from rl_logp.engines import make_engine
+    from rl_logp.engines.fused import _temperature_args
+    from rl_logp.kernels import launch
+    from rl_logp.request import prepare_inputs
+
+    inputs, labels = make_inputs(8, args.vocab, device, 5)
+    x = inputs[0]
+    cfg = rl_logp.resolve_config(None)
+    engine_name = rl_logp.resolve_backend("auto", device)
+    engine = make_engine(engine_name, cfg.chunk_bytes)
+    req = prepare_inputs(x, labels, 0.7).request(cfg, engine_name, entropy=False, normalizer=False)
+    out = torch.empty(8, dtype=torch.float32, device=device)
+    temp = _temperature_args(req.temperature)
+    pieces = {
+        "rl_logp.logprobs (no grad)": lambda: rl_logp.logprobs(x, labels, temperature=0.7),
+        "resolve_config": lambda: rl_logp.resolve_config(None),
+        "prepare_inputs": lambda: prepare_inputs(x, labels, 0.7),
+        "Inputs.request": lambda: prepare_inputs(x, labels, 0.7).request(cfg, engine_name, entropy=False,
+                                                                         normalizer=False),
+        "engine.row_stats (output + launch)": lambda: engine.row_stats(req),
+        "kernels.launch.row_stats (launch only)": lambda: launch.row_stats(x, labels, *temp, 40, False, None, None,
+                                                                           None, out, None, engine.config),
+        "torch.empty(8)": lambda: torch.empty(8, dtype=torch.float32, device=device),
+        "torch log_softmax + gather": lambda: torch.log_softmax(x.float() / 0.7, -1).gather(1, labels[:, None]),
+    }
+    if device.type != "cuda":
+        del pieces["kernels.launch.row_stats (launch only)"]
+    with torch.no_grad():
+        for name, fn in pieces.items():
+            for _ in range(20):
+                fn()
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(args.rollout_reps):
+                fn()
+            host = (time.perf_counter() - t0) / args.rollout_reps * 1e6
+            _sync(device)
+            report.add({"suite": "overhead", "provider": name, "rows": 8, "host_us": host})
+
+
 def run_tp(args, device, report: Report) -> None:
     """Wall time per call of a vocab-parallel call in each agreement mode (the group: this process alone)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1, **({"device_id": device} if device.type == "cuda" else {}))
+        cuda = device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                **({"device_id": torch.device("cuda", torch.cuda.current_device())} if cuda else {}))
     calls = {
         "no tp_group": {},
         "tp_group, every_call": {"tp_group": dist.group.WORLD, "config": {"tp_agreement": "every_call"}},
@@ -365,7 +411,7 @@ def run_tp(args, device, report: Report) -> None:
 
 
 def print_table(results: list[dict]) -> None:
-    main = [r for r in results if r.get("suite") not in ("sweep", "rollout", "tp")]
+    main = [r for r in results if r.get("suite") not in ("sweep", "rollout", "tp", "overhead")]
     print(f"\n{'suite':20s} {'provider':36s} {'N':>6s} {'fwd ms':>8s} {'x flr':>6s} {'f+b ms':>8s} {'x flr':>6s} "
           f"{'peak GiB':>8s} {'mism':>4s}")
     for r in main:
@@ -396,6 +442,9 @@ def print_table(results: list[dict]) -> None:
             print(f"{r['provider']:26s} {r['rows']:5d} {r['temperature'] or 1.0:4.1f} {r['wall_us']:9.1f} "
                   f"{r['host_us']:9.1f} {r['cuda_us']:9.1f}")
     for r in results:
+        if r.get("suite") == "overhead":
+            print(f"host per call {r['provider']:45s} {r['host_us']:8.1f} us")
+    for r in results:
         if r.get("suite") == "tp":
             print(f"tp agreement {r['provider']:24s} N={r['rows']:5d} {r['wall_us']:9.1f} us per call")
 
@@ -406,7 +455,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--rollout-reps", type=int, default=200)
-    parser.add_argument("--suites", nargs="+", default=["main", "rollout"], choices=["main", "sweep", "rollout", "tp"])
+    parser.add_argument("--suites", nargs="+", default=["main", "rollout"], choices=["main", "sweep", "rollout", "tp", "overhead"])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (fused under TRITON_INTERPRET=1)")
     parser.add_argument("--out", default="benchmarks/results/bench_logp.json")
     args = parser.parse_args()
@@ -428,6 +477,8 @@ def main() -> None:
         run_sweep(args, device, bandwidth, report)
     if "rollout" in args.suites:
         run_rollout(args, device, report)
+    if "overhead" in args.suites:
+        run_overhead(args, device, report)
     if "tp" in args.suites:
         run_tp(args, device, report)
     if "main" in args.suites:

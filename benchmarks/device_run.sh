@@ -3,7 +3,7 @@
 # benchmarks/make_device_bundle.sh), then run the stages named in STAGES (default: tests bench):
 #   tests     the GPU tests (TEST_FILES, TEST_FILTER) -> $OUT/gpu_tests.txt
 #   sweep     bench_logp.py --suites sweep: launch variants of the fused kernels -> $OUT/h200_sweep.json
-#   calls     bench_logp.py --suites rollout tp: rollout-size calls, host time, TP agreement cost
+#   calls     bench_logp.py --suites rollout overhead tp: rollout-size calls, host time, TP agreement cost
 #             -> $OUT/h200_calls.json
 #   bench     bench_logp.py --suites main: every provider at 8192 and 32768 rows -> $OUT/h200_bench.json
 #   verl      bench_verl_step.py -> $OUT/h200_verl_step.json
@@ -39,13 +39,13 @@ for stage in ${STAGES}; do
     tests)
       # shellcheck disable=SC2086
       timeout "${TEST_TIMEOUT:-240}" python3 -P -m pytest -q ${TEST_FILES:-tests/test_fused_kernel.py tests/test_invariance.py tests/test_compile.py tests/test_tp_agreement.py tests/test_entropy.py tests/test_api_and_config.py tests/test_reference_accuracy.py} \
-        -k "${TEST_FILTER:-not cpu and not world}" -p no:cacheprovider -rA 2>&1 | quiet > "$OUT/gpu_tests.txt"
+        -k "${TEST_FILTER:-not cpu and not world}" -p no:cacheprovider -rA -v 2>&1 | quiet > "$OUT/gpu_tests.txt"
       grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/gpu_tests.txt" | tail -25 ;;
     sweep)
       timeout "${SWEEP_TIMEOUT:-300}" python3 -P benchmarks/bench_logp.py --suites sweep --rows 32768 \
         --reps "${REPS:-5}" --out "$OUT/h200_sweep.json" 2>&1 | grep -v '^{' | tail -30 ;;
     calls)
-      timeout "${CALLS_TIMEOUT:-150}" python3 -P benchmarks/bench_logp.py --suites rollout tp \
+      timeout "${CALLS_TIMEOUT:-150}" python3 -P benchmarks/bench_logp.py --suites rollout overhead tp \
         --out "$OUT/h200_calls.json" 2>&1 | grep -v '^{' | tail -40 ;;
     bench)
       timeout "${BENCH_TIMEOUT:-330}" python3 -P benchmarks/bench_logp.py --suites main \

@@ -72,7 +72,7 @@ def programs_per_sm(regs: int, warps: int) -> int:
     return min(65536 // (regs_per_warp * warps), 64 // warps, 32)
 
 
-def forward(chunk: int, width: int, warps: int, quant: int, entropy: bool, temp_mode: int, div: int = 0,
+def forward(chunk: int, lane: int, warps: int, quant: int, entropy: bool, temp_mode: int, div: int = 0,
             dtype: str = "bf16"):
     """The whole-row forward kernel, finishing rows (logp, lse, M, L and, with `entropy`, the entropy)."""
     sig = {
@@ -83,7 +83,7 @@ def forward(chunk: int, width: int, warps: int, quant: int, entropy: bool, temp_
     const = {
         "TEMP": None, "MAX_IN": None, "OUT_S": None, "OUT_E": None, "MAX_FROM": row_stats.MAX_SCAN.value,
         "RESULT": row_stats.RESULT_ROW.value, "TEMP_MODE": temp_mode, "DIV": div, "ENTROPY": entropy,
-        "CHUNK": chunk, "WIDTH": width, "QUANT": quant,
+        "CHUNK": chunk, "LANE": lane, "QUANT": quant,
         **dict(zip(("HI_BIAS", "LO_BIAS", "LO_BITS", "HI_PATTERN", "LO_PATTERN"), split_constants(40), strict=True)),
     }
     if temp_mode == fixed_point.TEMP_ROWS.value:
@@ -116,13 +116,13 @@ def main() -> None:
     fp = fixed_point
     modes = ((fp.TEMP_NONE.value, 0), (fp.TEMP_SCALAR.value, fp.DIV_IEEE.value),
              (fp.TEMP_SCALAR.value, fp.DIV_RECIPROCAL.value))
-    configs = [(4096, 4096, 8), (8192, 8192, 16), (2048, 2048, 4), (4096, 1024, 8)]
-    for chunk, width, warps in configs[: 1 if args.quick else None]:
+    configs = [(4096, 1, 8), (4096, 8, 8), (8192, 8, 8), (2048, 8, 4)]
+    for chunk, lane, warps in configs[: 1 if args.quick else None]:
         for quant in (fp.QUANT_SPLIT.value, fp.QUANT_CAST.value):
             for entropy in (False, True):
                 for temp, div in modes:
-                    name = f"fwd chunk={chunk} width={width} w={warps} q={quant} ent={int(entropy)} T={temp} div={div}"
-                    rows.append((name, forward(chunk, width, warps, quant, entropy, temp, div), chunk, warps))
+                    name = f"fwd chunk={chunk} lane={lane} w={warps} q={quant} ent={int(entropy)} T={temp} div={div}"
+                    rows.append((name, forward(chunk, lane, warps, quant, entropy, temp, div), chunk, warps))
     for block, warps in [(4096, 8), (8192, 16), (2048, 4)][: 1 if args.quick else None]:
         for entropy in (False, True):
             for temp, div in modes:

@@ -166,19 +166,20 @@ def split_terms(t, HI_BIAS: tl.constexpr, LO_BIAS: tl.constexpr):
 
 
 @triton.jit
-def zero_accumulators(like, QUANT: tl.constexpr):
-    """Per-lane accumulators shaped like a tile: uint32 bit-pattern sums (split) or int64 terms (cast)."""
+def zero_accumulators(tile, QUANT: tl.constexpr):
+    """Accumulators of a [lanes, LANE] tile, one per lane: uint32 bit-pattern sums (split) or int64 (cast)."""
     if QUANT == QUANT_SPLIT:
-        zero = tl.zeros(like.shape, tl.uint32)
+        zero = tl.zeros((tile.shape[0],), tl.uint32)
     else:
-        zero = tl.zeros(like.shape, tl.int64)
+        zero = tl.zeros((tile.shape[0],), tl.int64)
     return zero, zero, zero, zero
 
 
 @triton.jit
 def accumulate(s_hi, s_lo, e_hi, e_lo, z, shift, q_scale, ENTROPY: tl.constexpr, QUANT: tl.constexpr,
                HI_BIAS: tl.constexpr, LO_BIAS: tl.constexpr):
-    """Add one tile's terms q(exp(d)) (and q(exp(d) (-d)) for the entropy), d = z - shift, lane by lane."""
+    """Add one [lanes, LANE] tile's terms q(exp(d)) (and q(exp(d) (-d)) for the entropy), d = z - shift:
+    each lane adds its LANE terms in registers, then into its accumulator (integer adds: order-free)."""
     d = z - shift
     e = exact_exp(d)
     if ENTROPY:
@@ -187,29 +188,29 @@ def accumulate(s_hi, s_lo, e_hi, e_lo, z, shift, q_scale, ENTROPY: tl.constexpr,
         u = e * (0.0 - tl.maximum(d, -200.0))
     if QUANT == QUANT_SPLIT:
         hi, lo = split_terms(e, HI_BIAS, LO_BIAS)
-        s_hi += hi
-        s_lo += lo
+        s_hi += tl.sum(hi, axis=1)
+        s_lo += tl.sum(lo, axis=1)
         if ENTROPY:
             hi, lo = split_terms(u, HI_BIAS, LO_BIAS)
-            e_hi += hi
-            e_lo += lo
+            e_hi += tl.sum(hi, axis=1)
+            e_lo += tl.sum(lo, axis=1)
     else:
-        s_hi += (e * q_scale).to(tl.int64)
+        s_hi += tl.sum((e * q_scale).to(tl.int64), axis=1)
         if ENTROPY:
-            e_hi += (u * q_scale).to(tl.int64)
+            e_hi += tl.sum((u * q_scale).to(tl.int64), axis=1)
     return s_hi, s_lo, e_hi, e_lo
 
 
 @triton.jit
-def lane_total(hi, lo, n_tiles, QUANT: tl.constexpr, LO_BITS: tl.constexpr, HI_PATTERN: tl.constexpr,
+def lane_total(hi, lo, n_terms, QUANT: tl.constexpr, LO_BITS: tl.constexpr, HI_PATTERN: tl.constexpr,
                LO_PATTERN: tl.constexpr):
-    """The exact int64 sum of accumulated terms after `n_tiles` tiles.
+    """The exact int64 sum of accumulated terms, each lane having added `n_terms` terms.
 
-    Split: each lane added n_tiles biased patterns, each hi <= 2^K and lo < 2^(F-K) above its bias, so
-    a lane's sum minus n_tiles biases fits in 32 bits while n_tiles < 2^(32-K) (V < 2^12 tiles).
+    Split: each lane added n_terms biased patterns, each hi <= 2^K and lo < 2^(F-K) above its bias, so a
+    lane's sum minus n_terms biases fits in 32 bits while n_terms < 2^(32-K) (the launcher checks it).
     """
     if QUANT == QUANT_SPLIT:
-        n = n_tiles.to(tl.uint32)
+        n = n_terms.to(tl.uint32)
         hi64 = (hi - n * HI_PATTERN).to(tl.int64)
         lo64 = (lo - n * LO_PATTERN).to(tl.int64)
         total = (tl.sum(hi64) << LO_BITS) + tl.sum(lo64)

@@ -37,8 +37,8 @@ INTERPRETER_SLOTS = 4  # programs the interpreter runs in place of a GPU's SMs
 class LaunchConfig:
     """Launch parameters of the kernels (every variant gives the same bits).
 
-    chunk: logits per tile of the forward (a power of two); width: columns of one tile row (chunk // width
-    tile rows); warps: per forward program; programs_per_sm: persistent forward programs per SM (0: one
+    chunk: logits per tile of the forward (a power of two); lane: adjacent logits one lane sums in registers
+    before its accumulator (a power of two dividing chunk); warps: per forward program; programs_per_sm: persistent forward programs per SM (0: one
     program per row); two_pass: the row max in a launch of its own, then the sums (both passes read the
     logits from HBM; the default re-reads each row right after scanning it, mostly from L2); quant:
     QUANT_SPLIT or QUANT_CAST (the split is used where it is exact); div: DIV_IEEE or DIV_RECIPROCAL (the
@@ -48,15 +48,15 @@ class LaunchConfig:
     """
 
     chunk: int = 4096
-    width: int = 4096
+    lane: int = 8
     warps: int = 8
-    programs_per_sm: int = 2
+    programs_per_sm: int = 4
     two_pass: bool = False
     quant: int = QUANT_SPLIT.value
     div: int = DIV_IEEE.value if INTERPRET else DIV_RECIPROCAL.value
     ftz: bool = False
     grad_block: int = 4096
-    grad_warps: int = 8
+    grad_warps: int = 4
 
 
 @functools.lru_cache(maxsize=8)
@@ -74,9 +74,9 @@ def _programs(x: torch.Tensor, cfg: LaunchConfig) -> int:
 
 def _quant(vocab: int, bits: int, cfg: LaunchConfig) -> int:
     """The split quantisation where its per-lane uint32 sums cannot wrap past their bias (see
-    `fixed_point.lane_total`), else the plain conversion."""
-    tiles = triton.cdiv(max(vocab, 1), cfg.chunk)
-    if cfg.quant == QUANT_SPLIT.value and bits <= MAX_SPLIT_BITS and tiles < 2 ** (32 - min(SPLIT_HI_BITS, bits // 2)):
+    `fixed_point.lane_total`: a lane adds cdiv(V, chunk) * lane terms), else the plain conversion."""
+    terms = triton.cdiv(max(vocab, 1), cfg.chunk) * cfg.lane
+    if cfg.quant == QUANT_SPLIT.value and bits <= MAX_SPLIT_BITS and terms < 2 ** (32 - min(SPLIT_HI_BITS, bits // 2)):
         return QUANT_SPLIT.value
     return QUANT_CAST.value
 
@@ -89,7 +89,7 @@ def _forward(x, labels, temp_mode, temp_rows, t_scalar, max_in, outs, sums, bits
             (_programs(x, cfg), 1, 1), device,
             x, x.stride(0), labels, temp_rows, t_scalar, max_in, *outs, *sums,
             n, vocab, float(2.0**bits), 2.0**-bits,
-            max_from, result, temp_mode, cfg.div, entropy, cfg.chunk, min(cfg.width, cfg.chunk),
+            max_from, result, temp_mode, cfg.div, entropy, cfg.chunk, cfg.lane,
             _quant(vocab, bits, cfg), *split_constants(bits),
             num_warps=cfg.warps, ftz=cfg.ftz,
         )

@@ -6,7 +6,8 @@ A program takes rows `pid, pid + P, pid + 2P, ...` (P programs, persistent). For
    (`MAX_GIVEN`) the max read from `MAX_IN` (an earlier launch's, or the all-reduced max of a vocab shard);
 2. unless only the max is asked for (`RESULT_MAX`): a second pass over the row (read again: from L2 when
    the row was just scanned) sums trunc(exp(z - M) 2^F) and, with ENTROPY, trunc(exp(z - M)(M - z) 2^F)
-   in per-lane exact integers (see `kernels.fixed_point`), one reduction per row;
+   in per-lane exact integers (see `kernels.fixed_point`; a lane adds LANE adjacent terms in registers
+   first, so the accumulators take CHUNK / LANE registers), one reduction per row;
 3. `RESULT_ROW`: the row's finish in the kernel (`finalize_row`: L = fp32(log(S 2^-F)) in fp64, the
    contract's lse, logp = (z[y] - M) - L and the entropy), each output stored where its pointer is
    given; `RESULT_SUMS`: S and E as int64 (a vocab shard's part of the all-reduced sums);
@@ -74,20 +75,25 @@ def row_stats_kernel(
     OUT_MAX, OUT_LOGSUM, OUT_LSE, OUT_LOGP, OUT_ENT, OUT_S, OUT_E,
     n_rows, n_cols, q_scale, log_scale,
     MAX_FROM: tl.constexpr, RESULT: tl.constexpr, TEMP_MODE: tl.constexpr, DIV: tl.constexpr,
-    ENTROPY: tl.constexpr, CHUNK: tl.constexpr, WIDTH: tl.constexpr, QUANT: tl.constexpr,
+    ENTROPY: tl.constexpr, CHUNK: tl.constexpr, LANE: tl.constexpr, QUANT: tl.constexpr,
     HI_BIAS: tl.constexpr, LO_BIAS: tl.constexpr, LO_BITS: tl.constexpr, HI_PATTERN: tl.constexpr,
     LO_PATTERN: tl.constexpr,
 ):
-    ROWS_PER_CHUNK: tl.constexpr = CHUNK // WIDTH
-    tile = tl.arange(0, ROWS_PER_CHUNK)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
+    # A tile is CHUNK logits as [CHUNK // LANE, LANE]: each lane's LANE adjacent logits are summed in
+    # registers before its accumulator; full tiles load without a mask, the last partial one with it.
+    tile = tl.arange(0, CHUNK // LANE)[:, None] * LANE + tl.arange(0, LANE)[None, :]
+    full = n_cols // CHUNK * CHUNK
     row = tl.program_id(0).to(tl.int64)
     while row < n_rows:
         x_row = X + row * stride_x
         t = row_temperature(TEMP, t_scalar, row, TEMP_MODE)
         if MAX_FROM == MAX_SCAN:
             lane_max = tl.full(tile.shape, float("-inf"), tl.float32)
-            for c in range(0, n_cols, CHUNK):
-                xc = tl.load(x_row + c + tile, mask=c + tile < n_cols, other=float("-inf"),
+            for c in range(0, full, CHUNK):
+                xc = tl.load(x_row + c + tile, eviction_policy="evict_last")
+                lane_max = max_nan(lane_max, xc.to(tl.float32))
+            if full < n_cols:
+                xc = tl.load(x_row + full + tile, mask=full + tile < n_cols, other=float("-inf"),
                              eviction_policy="evict_last")
                 lane_max = max_nan(lane_max, xc.to(tl.float32))
             m = max_all(lane_max)
@@ -102,17 +108,21 @@ def row_stats_kernel(
             shift = tl.where(row_max == float("-inf"), 0.0, row_max)
             inv_t = row_reciprocal(t, row_max, TEMP_MODE, DIV)
             s_hi, s_lo, e_hi, e_lo = zero_accumulators(tile, QUANT)
-            n_tiles = tl.zeros([], tl.int32)
-            for c in range(0, n_cols, CHUNK):
-                xc = tl.load(x_row + c + tile, mask=c + tile < n_cols, other=float("-inf"),
+            for c in range(0, full, CHUNK):
+                xc = tl.load(x_row + c + tile, eviction_policy="evict_first")
+                s_hi, s_lo, e_hi, e_lo = accumulate(s_hi, s_lo, e_hi, e_lo, scale_logits(xc, t, inv_t, TEMP_MODE, DIV),
+                                                    shift, q_scale, ENTROPY, QUANT, HI_BIAS, LO_BIAS)
+            n_tiles = n_cols // CHUNK
+            if full < n_cols:
+                xc = tl.load(x_row + full + tile, mask=full + tile < n_cols, other=float("-inf"),
                              eviction_policy="evict_first")
                 s_hi, s_lo, e_hi, e_lo = accumulate(s_hi, s_lo, e_hi, e_lo, scale_logits(xc, t, inv_t, TEMP_MODE, DIV),
                                                     shift, q_scale, ENTROPY, QUANT, HI_BIAS, LO_BIAS)
                 n_tiles += 1
-            fixed = lane_total(s_hi, s_lo, n_tiles, QUANT, LO_BITS, HI_PATTERN, LO_PATTERN)
+            fixed = lane_total(s_hi, s_lo, n_tiles * LANE, QUANT, LO_BITS, HI_PATTERN, LO_PATTERN)
             entropy_fixed = fixed * 0
             if ENTROPY:
-                entropy_fixed = 0 - lane_total(e_hi, e_lo, n_tiles, QUANT, LO_BITS, HI_PATTERN, LO_PATTERN)
+                entropy_fixed = 0 - lane_total(e_hi, e_lo, n_tiles * LANE, QUANT, LO_BITS, HI_PATTERN, LO_PATTERN)
             if RESULT == RESULT_SUMS:
                 tl.store(OUT_S + row, fixed)
                 if ENTROPY:

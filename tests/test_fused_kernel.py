@@ -92,8 +92,8 @@ def test_launch_variants_give_the_same_bits(device):
     small = 256 if device == "cpu" else 2048
     variants = [
         dataclasses.replace(base, quant=fp.QUANT_CAST.value),
-        dataclasses.replace(base, chunk=small, width=small),
-        dataclasses.replace(base, chunk=2 * small, width=small // 2),
+        dataclasses.replace(base, chunk=small, lane=8),
+        dataclasses.replace(base, chunk=2 * small, lane=2),
         dataclasses.replace(base, two_pass=True),
         dataclasses.replace(base, programs_per_sm=0),
         dataclasses.replace(base, programs_per_sm=1, warps=4),
