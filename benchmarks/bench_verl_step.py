@@ -10,16 +10,18 @@ engine object that holds the attributes the method reads. Patched = the same cal
 in-place backward where safe). Logits come from a matmul like the lm_head (hidden 1024, non-leaf bf16).
 
 For N in {8192, 32768} x V = 151936, T in {1.0, 0.7}, entropy off/on, it records forward+backward time
-(logits -> logp [+ entropy] -> d loss / d logits; CUDA events, warm-up, median, two rotated input sets)
-and peak memory above the live inputs (`torch.cuda.max_memory_allocated`). Then the first call
+(logits -> logp [+ entropy] -> d loss / d logits; CUDA events, warm-up, median, two rotated input sets),
+peak memory above the live inputs (`torch.cuda.max_memory_allocated`) and, for each patched row, how far
+its logp, entropy and gradient are from the unpatched row's on the same logits (max |difference|, share
+of values that differ). Then the first call
 (compile included) of compiled entropy/logp at 512, 8192, 32768 rows and dynamo's graph count: verl's
 compiled torch entropy beside `torch.compile(rl_logp.entropy)` and `torch.compile(rl_logp.logprobs)`,
 with the compiled-vs-eager bit mismatches. Then Megatron's vocab-parallel logp/entropy at TP=1 when
 megatron-core imports (else a row saying why not).
 
 Where the GPU image lacks a module verl imports but this step never calls (`ray`, `datasets`, `PIL`,
-`pandas`), a stub module stands in; the JSON lists them (`stubbed_modules`). Prints a table last, writes
-JSON (--out). `--smoke`: tiny shapes on the CPU (CI).
+`pandas`), a stub module stands in; the JSON lists them (`stubbed_modules`). Prints a table last; writes
+JSON (--out) after every row. `--smoke`: tiny shapes on the CPU (CI).
 
     python benchmarks/bench_verl_step.py --out benchmarks/results/h200_verl_step.json
 """
@@ -78,6 +80,22 @@ def stub_missing_modules() -> list[str]:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+class Report:
+    """The JSON report, rewritten after every row so a time limit never loses what ran."""
+
+    def __init__(self, path: str, header: dict) -> None:
+        self.path, self.header, self.rows = path, header, []
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({**self.header, "results": self.rows}, f, indent=1)
+        os.replace(tmp, self.path)
 
 
 class StepBench:
@@ -153,6 +171,27 @@ class StepBench:
                 peaks.append(peak)
         return {"fwd_bwd_ms": statistics.median(times), "peak_extra_gib": max(peaks) / 2**30}
 
+    def outputs(self, call: Callable[[torch.Tensor], dict]) -> dict[str, torch.Tensor]:
+        """logp, entropy (when computed) and d loss / d logits of the first input set, fp32, detached."""
+        logits = (self.hiddens[0].requires_grad_(True) @ self.weight).unsqueeze(0)
+        out = call(logits)
+        loss = out["log_probs"].sum() + (0.01 * out["entropy"].sum() if "entropy" in out else 0.0)
+        (grad,) = torch.autograd.grad(loss, logits)
+        found = {"logp": out["log_probs"], "grad": grad}
+        if "entropy" in out:
+            found["entropy"] = out["entropy"]
+        return {k: v.detach().float() for k, v in found.items()}
+
+
+def distance(patched: dict[str, torch.Tensor], unpatched: dict[str, torch.Tensor]) -> dict:
+    """How far the patched outputs are from verl's own: max |difference| and the share of values that differ."""
+    found = {}
+    for name, ref in unpatched.items():
+        diff = (patched[name] - ref).abs()
+        found[f"{name}_max_abs_diff"] = float(diff.max())
+        found[f"{name}_differing_fraction"] = float((diff > 0).float().mean())
+    return found
+
 
 def make_engine(fsdp_engine, verl_f):
     """What `FSDPEngine.__init__` leaves for prepare_model_outputs (transformer_impl.py:178-187)."""
@@ -165,41 +204,46 @@ def make_engine(fsdp_engine, verl_f):
     return engine
 
 
-def side_by_side(args, device, suite: str, make_call: Callable) -> list[dict]:
-    """Every (N, T, entropy) cell, unpatched then patched (`apply()` for that row only)."""
+def side_by_side(args, device, suite: str, make_call: Callable, report: Report) -> None:
+    """Every (N, T, entropy) cell, unpatched then patched (`apply()` for that row only); each patched row
+    says how far its logp, entropy and gradient are from the unpatched ones on the same logits."""
     from rl_logp.integrations import verl as adapter
 
-    results = []
     for rows in args.rows:
         bench = StepBench(rows, args.vocab, args.hidden, device, args.seq)
         for temperature in (1.0, 0.7):
             for entropy in (False, True):
+                reference = None
                 for mode in ("unpatched", "patched"):
                     row = {"suite": suite, "mode": mode, "rows": rows, "vocab": args.vocab,
                            "temperature": temperature, "entropy": entropy}
                     try:
                         if mode == "patched":
                             adapter.apply(backend=args.backend)
-                        row.update(bench.run(make_call(bench, mode, temperature, entropy), args.warmup, args.reps))
+                        call = make_call(bench, mode, temperature, entropy)
+                        row.update(bench.run(call, args.warmup, args.reps))
+                        if mode == "unpatched":
+                            reference = bench.outputs(call)
+                        elif reference is not None:
+                            row.update(distance(bench.outputs(call), reference))
                     except Exception as err:  # a cell that cannot run says why; the others still run
                         row["error"] = f"{type(err).__name__}: {err}"
                     finally:
                         adapter.revert()
-                    results.append(row)
-                    print(json.dumps(row), flush=True)
+                    report.add(row)
+                reference = None
         del bench
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return results
 
 
-def run_fsdp(args, device) -> list[dict]:
+def run_fsdp(args, device, report: Report) -> None:
     import verl.utils.torch_functional as verl_f
     import verl.workers.engine.fsdp.transformer_impl as fsdp_engine
 
     engines = {mode: make_engine(fsdp_engine, verl_f) for mode in ("unpatched", "patched")}
-    return side_by_side(args, device, "fsdp step",
-                        lambda bench, mode, t, entropy: bench.fsdp_call(engines[mode], t, entropy))
+    side_by_side(args, device, "fsdp step", lambda bench, mode, t, entropy: bench.fsdp_call(engines[mode], t, entropy),
+                 report)
 
 
 def _graphs() -> int:
@@ -208,7 +252,7 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def run_compile(args, device) -> list[dict]:
+def run_compile(args, device, report: Report) -> None:
     """First call (compile included) of each compiled function at growing row counts, and graph counts."""
     import verl.utils.torch_functional as verl_f
 
@@ -226,7 +270,6 @@ def run_compile(args, device) -> list[dict]:
         "rl_logp.logprobs": rl_logprobs,
     }
     gen = torch.Generator(device="cpu").manual_seed(1)
-    results = []
     for name, fn in functions.items():
         torch._dynamo.reset()
         compiled = torch.compile(fn, dynamic=True)
@@ -242,30 +285,30 @@ def run_compile(args, device) -> list[dict]:
             row = {"suite": "compile", "provider": name, "rows": rows, "first_call_s": first,
                    "graphs_so_far": _graphs() - before,
                    "compiled_vs_eager_mismatches": int((got.float() != eager.float()).sum())}
-            results.append(row)
-            print(json.dumps(row), flush=True)
+            report.add(row)
             del x, got, eager
-    return results
 
 
-def run_megatron(args, device) -> list[dict]:
+def run_megatron(args, device, report: Report) -> None:
     """The Megatron engine's logits step at TP=1 (one process, its own NCCL group), where it imports."""
     try:
         import torch.distributed as dist
         import verl.workers.engine.megatron.transformer_impl as megatron_engine
         from megatron.core import parallel_state as mpu
     except ImportError as err:
-        return [{"suite": "megatron step", "note": f"not run: megatron-core is not importable here ({err})"}]
+        report.add({"suite": "megatron step", "note": f"not run: megatron-core is not importable here ({err})"})
+        return
     if device.type != "cuda":
-        return [{"suite": "megatron step", "note": "not run: Megatron's parallel state needs CUDA (NCCL)"}]
+        report.add({"suite": "megatron step", "note": "not run: Megatron's parallel state needs CUDA (NCCL)"})
+        return
     if not dist.is_initialized():
         dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29561", rank=0, world_size=1)
     mpu.initialize_model_parallel(1)
     engine = object.__new__(megatron_engine.MegatronEngineWithLMHead)
     engine.engine_config = types.SimpleNamespace(entropy_from_logits_with_chunking=False,
                                                  entropy_from_logits_chunk_size=2048)
-    return side_by_side(args, device, "megatron step",
-                        lambda bench, mode, t, entropy: bench.megatron_call(engine, t, entropy))
+    side_by_side(args, device, "megatron step", lambda bench, mode, t, entropy: bench.megatron_call(engine, t, entropy),
+                 report)
 
 
 def print_table(results: list[dict]) -> None:
@@ -277,7 +320,8 @@ def print_table(results: list[dict]) -> None:
         if "error" in r:
             print(f"{head} error: {r['error'][:70]}")
         else:
-            print(f"{head} {r['fwd_bwd_ms']:9.2f} {r['peak_extra_gib']:9.2f}")
+            far = "".join(f" {k.split('_')[0]} {r[k]:.2g}" for k in r if k.endswith("_max_abs_diff"))
+            print(f"{head} {r['fwd_bwd_ms']:9.2f} {r['peak_extra_gib']:9.2f}{far}")
     print(f"\n{'compiled':34s} {'rows':>6s} {'first s':>8s} {'graphs':>6s} {'mism':>5s}")
     for r in results:
         if r["suite"] == "compile":
@@ -309,8 +353,7 @@ def main() -> None:
     import verl
     import verl.utils.torch_functional as verl_f
 
-    results = run_fsdp(args, device) + run_compile(args, device) + run_megatron(args, device)
-    report = {
+    report = Report(args.out, {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "verl": verl.__version__,
@@ -319,12 +362,11 @@ def main() -> None:
         else "verl torch path (logprobs_from_logits_v2)",
         "stubbed_modules": stubbed,
         "command": " ".join(sys.argv),
-        "results": results,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print_table(results)
+    })
+    run_fsdp(args, device, report)
+    run_compile(args, device, report)
+    run_megatron(args, device, report)
+    print_table(report.rows)
 
 
 if __name__ == "__main__":

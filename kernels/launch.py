@@ -50,7 +50,7 @@ class LaunchConfig:
     chunk: int = 4096
     lane: int = 8
     warps: int = 8
-    programs_per_sm: int = 4
+    programs_per_sm: int = 0
     two_pass: bool = False
     quant: int = QUANT_SPLIT.value
     div: int = DIV_IEEE.value if INTERPRET else DIV_RECIPROCAL.value
@@ -81,18 +81,20 @@ def _quant(vocab: int, bits: int, cfg: LaunchConfig) -> int:
     return QUANT_CAST.value
 
 
-def _forward(x, labels, temp_mode, temp_rows, t_scalar, max_in, outs, sums, bits, entropy, max_from, result, cfg):
+def forward_launch(x, labels, temp_mode, temp_rows, t_scalar, max_in, outs, sums, bits, entropy, max_from, result,
+                   cfg) -> tuple[tuple[int, int, int], int, tuple, dict]:
+    """(grid, device, positional arguments, options) of one `row_stats_kernel` launch."""
     n, vocab = x.shape
-    device = x.device.index if x.is_cuda else -1
-    with on_device(x):
-        _ROW_STATS(
-            (_programs(x, cfg), 1, 1), device,
-            x, x.stride(0), labels, temp_rows, t_scalar, max_in, *outs, *sums,
-            n, vocab, float(2.0**bits), 2.0**-bits,
-            max_from, result, temp_mode, cfg.div, entropy, cfg.chunk, cfg.lane,
-            _quant(vocab, bits, cfg), *split_constants(bits),
-            num_warps=cfg.warps, ftz=cfg.ftz,
-        )
+    args = (x, x.stride(0), labels, temp_rows, t_scalar, max_in, *outs, *sums, n, vocab, float(2.0**bits), 2.0**-bits,
+            max_from, result, temp_mode, cfg.div, entropy, cfg.chunk, cfg.lane, _quant(vocab, bits, cfg),
+            *split_constants(bits))
+    return (_programs(x, cfg), 1, 1), x.device.index if x.is_cuda else -1, args, {"num_warps": cfg.warps, "ftz": cfg.ftz}
+
+
+def _forward(*spec) -> None:
+    grid, device, args, options = forward_launch(*spec)
+    with on_device(args[0]):
+        _ROW_STATS(grid, device, *args, **options)
 
 
 def row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, temp_rows: torch.Tensor | None,

@@ -64,6 +64,10 @@ def test_bench_verl_step_smoke(tmp_path):
     assert sorted((r["temperature"], r["entropy"], r["mode"]) for r in steps) == sorted(
         (t, e, m) for t in (1.0, 0.7) for e in (False, True) for m in ("unpatched", "patched")
     )
+    for r in steps:  # each patched row says how far it is from verl's own outputs on the same logits
+        if r["mode"] == "patched":
+            keys = {"logp_max_abs_diff", "grad_max_abs_diff"} | ({"entropy_max_abs_diff"} if r["entropy"] else set())
+            assert keys <= set(r) and all(r[k] < 0.1 for k in keys), r  # verl rounds in bf16; a wrong T is nats off
     compiled = [r for r in report["results"] if r["suite"] == "compile"]
     assert {r["provider"] for r in compiled} == {"verl entropy_from_logits (torch)", "rl_logp.entropy", "rl_logp.logprobs"}
     for r in compiled:
