@@ -354,7 +354,7 @@ def run_overhead(args, device, report: Report) -> None:
     out = torch.empty(8, dtype=torch.float32, device=device)
     temp = _temperature_args(req.temperature)
     launch_config = getattr(engine, "config", launch.LaunchConfig())
-    grid, _, kernel_args, _ = launch.forward_launch(x, labels, *temp, None, (None, None, None, out, None), (None, None),
+    grid, kernel_args, options = launch.forward_launch(x, labels, *temp, None, (None, None, None, out, None), (None, None),
                                                     40, False, 0, 0, launch_config)
     pieces = {
         "rl_logp.logprobs (no grad)": lambda: rl_logp.logprobs(x, labels, temperature=0.7),
@@ -366,12 +366,11 @@ def run_overhead(args, device, report: Report) -> None:
         "kernels.launch.row_stats (launch only)": lambda: launch.row_stats(x, labels, *temp, 40, False, None, None,
                                                                            None, out, None, launch_config),
         "torch.empty(8)": lambda: torch.empty(8, dtype=torch.float32, device=device),
-        "Triton's own launch (kernel[grid](...))": lambda: launch._ROW_STATS.fn[grid](*kernel_args, num_warps=8,
-                                                                                     enable_fp_fusion=False),
+        "the kernel's launch alone (kernel[grid](...))": lambda: launch.row_stats_kernel[grid](*kernel_args, **options),
         "torch log_softmax + gather": lambda: torch.log_softmax(x.float() / 0.7, -1).gather(1, labels[:, None]),
     }
     if device.type != "cuda":
-        del pieces["kernels.launch.row_stats (launch only)"], pieces["Triton's own launch (kernel[grid](...))"]
+        del pieces["kernels.launch.row_stats (launch only)"], pieces["the kernel's launch alone (kernel[grid](...))"]
     with torch.no_grad():
         for name, fn in pieces.items():
             for _ in range(20):
@@ -383,10 +382,6 @@ def run_overhead(args, device, report: Report) -> None:
             host = (time.perf_counter() - t0) / args.rollout_reps * 1e6
             _sync(device)
             report.add({"suite": "overhead", "provider": name, "rows": 8, "host_us": host})
-    report.add({"suite": "overhead", "provider": "cached kernel specializations", "rows": 8, "host_us": 0.0,
-                "row_stats_variants": len(launch._ROW_STATS.compiled),
-                "launch_hook": repr(getattr(getattr(__import__("triton"), "knobs", None), "runtime", None)
-                                    and __import__("triton").knobs.runtime.launch_enter_hook)})
 
 
 def run_tp(args, device, report: Report) -> None:

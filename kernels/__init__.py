@@ -4,7 +4,6 @@ nothing from the package above them.
 `fixed_point`: the contract's arithmetic in Triton (exact exp/log, the temperature division, the exact
 fixed-point sums), shared by the kernels; `row_stats`: the forward kernel (row max, sums, the finished
 logp / lse / entropy); `grad`: the backward kernel (the row-local gradient of logp and/or entropy);
-`launch`: their launches and launch parameters (`LaunchConfig`); `launcher`: `CachedKernel`, which binds a
-compiled kernel once per specialization so a launch costs a few microseconds of host time. Importing this
-package never needs a GPU; importing its modules needs Triton.
+`launch`: their launches and launch parameters (`LaunchConfig`). Importing this package never needs a GPU;
+importing its modules needs Triton.
 """

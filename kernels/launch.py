@@ -8,11 +8,11 @@ max in `out_max`), never syncs the host, and so can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
 import torch
-import triton
 
 from .fixed_point import (
     DIV_IEEE,
@@ -25,12 +25,20 @@ from .fixed_point import (
     split_constants,
 )
 from .grad import grad_kernel
-from .launcher import CachedKernel, on_device
 from .row_stats import MAX_GIVEN, MAX_SCAN, RESULT_MAX, RESULT_ROW, RESULT_SUMS, row_stats_kernel
 
-_ROW_STATS = CachedKernel(row_stats_kernel)
-_GRAD = CachedKernel(grad_kernel)
 INTERPRETER_SLOTS = 4  # programs the interpreter runs in place of a GPU's SMs
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def on_device(x: torch.Tensor):
+    """A context making x's GPU current when it is not (Triton launches on the current device's stream)."""
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,29 +80,31 @@ def _programs(x: torch.Tensor, cfg: LaunchConfig) -> int:
     return max(1, min(n, slots))
 
 
-def _quant(vocab: int, bits: int, cfg: LaunchConfig) -> int:
+@functools.lru_cache(maxsize=256)
+def _quant(vocab: int, bits: int, chunk: int, lane: int, quant: int) -> int:
     """The split quantisation where its per-lane uint32 sums cannot wrap past their bias (see
     `fixed_point.lane_total`: a lane adds cdiv(V, chunk) * lane terms), else the plain conversion."""
-    terms = triton.cdiv(max(vocab, 1), cfg.chunk) * cfg.lane
-    if cfg.quant == QUANT_SPLIT.value and bits <= MAX_SPLIT_BITS and terms < 2 ** (32 - min(SPLIT_HI_BITS, bits // 2)):
+    terms = _cdiv(max(vocab, 1), chunk) * lane
+    if quant == QUANT_SPLIT.value and bits <= MAX_SPLIT_BITS and terms < 2 ** (32 - min(SPLIT_HI_BITS, bits // 2)):
         return QUANT_SPLIT.value
     return QUANT_CAST.value
 
 
 def forward_launch(x, labels, temp_mode, temp_rows, t_scalar, max_in, outs, sums, bits, entropy, max_from, result,
-                   cfg) -> tuple[tuple[int, int, int], int, tuple, dict]:
-    """(grid, device, positional arguments, options) of one `row_stats_kernel` launch."""
+                   cfg) -> tuple[tuple[int], tuple, dict]:
+    """(grid, positional arguments, options) of one `row_stats_kernel` launch."""
     n, vocab = x.shape
     args = (x, x.stride(0), labels, temp_rows, t_scalar, max_in, *outs, *sums, n, vocab, float(2.0**bits), 2.0**-bits,
-            max_from, result, temp_mode, cfg.div, entropy, cfg.chunk, cfg.lane, _quant(vocab, bits, cfg),
-            *split_constants(bits))
-    return (_programs(x, cfg), 1, 1), x.device.index if x.is_cuda else -1, args, {"num_warps": cfg.warps, "ftz": cfg.ftz}
+            max_from, result, temp_mode, cfg.div, entropy, cfg.chunk, cfg.lane,
+            _quant(vocab, bits, cfg.chunk, cfg.lane, cfg.quant), *split_constants(bits))
+    options = {"num_warps": cfg.warps, "enable_fp_fusion": False, "enable_reflect_ftz": cfg.ftz}
+    return (_programs(x, cfg),), args, options
 
 
 def _forward(*spec) -> None:
-    grid, device, args, options = forward_launch(*spec)
+    grid, args, options = forward_launch(*spec)
     with on_device(args[0]):
-        _ROW_STATS(grid, device, *args, **options)
+        row_stats_kernel[grid](*args, **options)
 
 
 def row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, temp_rows: torch.Tensor | None,
@@ -138,12 +148,11 @@ def grad(x: torch.Tensor, out: torch.Tensor, labels: torch.Tensor | None, label_
     n, vocab = x.shape
     has_lp, has_h = g_logp is not None, g_entropy is not None
     with on_device(x):
-        _GRAD(
-            (n, triton.cdiv(vocab, cfg.grad_block), 1), x.device.index if x.is_cuda else -1,
+        grad_kernel[(n, _cdiv(vocab, cfg.grad_block))](
             x, x.stride(0), out, out.stride(0), labels, label_offset, vocab_total, temp_rows, t_scalar,
             row_max, log_sum, entropy, g_logp, g_logp.stride(0) if has_lp else 0, g_entropy,
             g_entropy.stride(0) if has_h else 0, vocab,
-            temp_mode, cfg.div, has_lp, has_h, cfg.grad_block,
-            num_warps=cfg.grad_warps, ftz=cfg.ftz,
+            TEMP_MODE=temp_mode, DIV=cfg.div, LOGP=has_lp, ENTROPY=has_h, BLOCK=cfg.grad_block,
+            num_warps=cfg.grad_warps, enable_fp_fusion=False, enable_reflect_ftz=cfg.ftz,
         )
 

@@ -72,13 +72,14 @@ def prepare_inputs(logits: object, labels: object | None, temperature: float | t
     lead_shape = x.shape[:-1]
     vocab = x.shape[-1]
     n = math.prod(lead_shape)
-    x2 = x.reshape(n, vocab)
+    x2 = x if x.dim() == 2 else x.reshape(n, vocab)
     if x2.dtype == torch.float64:
         x2 = x2.to(torch.float32)
     if vocab > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
     if y is not None:
-        y = y.reshape(n)
+        if y.dim() != 1:
+            y = y.reshape(n)
         if y.dtype != torch.int64:
             y = y.to(torch.int64)
     return Inputs(x2, y, check_temperature(temperature, x, n), lead_shape)

@@ -199,13 +199,13 @@ def _nccl_rank(rank: int, port: int, out_dir: str) -> None:
             other[0, len(shard_layout.FIELDS) - 3] += 1  # the peer's labels checksum
             return torch.cat([table, other])
 
-        shard_layout._gather = peer_disagrees
-        poisoned = rl_logp.logprobs(x, y, tp_group=group, config=cfg)
+        shard_layout._gather = peer_disagrees  # the same layout as agreed above: the cached, on-device path
+        poisoned = rl_logp.logprobs(x, y, tp_group=group, config=cfg, temperature=0.7)
         shard_layout._gather = real_gather
         report["poisoned_all_nan"] = bool(torch.isnan(poisoned).all())
         torch.cuda.synchronize()
         try:
-            rl_logp.logprobs(x, y, tp_group=group, config=cfg)
+            rl_logp.logprobs(x, y, tp_group=group, config=cfg, temperature=0.7)
             report["later_call"] = "no error"
         except ValueError as err:
             report["later_call"] = str(err)
