@@ -36,6 +36,7 @@ if "--smoke" in sys.argv:  # Triton reads this when the kernels are decorated, s
 
 import argparse
 import dataclasses
+import functools
 import json
 import platform
 import statistics
@@ -106,8 +107,18 @@ def _bf16(t: float | None):
     return None if t is None else torch.tensor(t, dtype=torch.bfloat16)
 
 
+@functools.lru_cache(maxsize=1)
 def _verl_functions():
-    """verl 0.9.1's own logprobs_from_logits and compiled entropy_from_logits, or the reason they are absent."""
+    """verl 0.9.1's torch_functional module (its own logprobs_from_logits and entropy_from_logits), or the
+    reason it is absent. Modules verl imports but these functions never call are stubbed where missing, as
+    bench_verl_step.py does (the GPU image has no ray)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_verl_step", Path(__file__).with_name("bench_verl_step.py"))
+    step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step)
+    step.stub_missing_modules()
     try:
         from verl.utils import torch_functional as verl_tf
     except ImportError as err:
