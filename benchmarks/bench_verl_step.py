@@ -16,19 +16,36 @@ its logp, entropy and gradient are from the unpatched row's on the same logits (
 of values that differ). Then the first call
 (compile included) of compiled entropy/logp at 512, 8192, 32768 rows and dynamo's graph count: verl's
 compiled torch entropy beside `torch.compile(rl_logp.entropy)` and `torch.compile(rl_logp.logprobs)`,
-with the compiled-vs-eager bit mismatches. Then Megatron's vocab-parallel logp/entropy at TP=1 when
-megatron-core imports (else a row saying why not).
+with the compiled-vs-eager bit mismatches.
+
+Then the same cells through verl 0.9.1's Megatron engine step at TP=1 (megatron-core 0.18.0): a
+`MegatronEngineWithLMHead` holding what `MegatronEngine.__init__`/`initialize` leave for the step (verl's
+`McoreEngineConfig`, Megatron's parallel state, a megatron-core `GPTModel`: vocab-parallel embedding and
+output layer, no transformer layers), run as verl's actor runs it: `engine.forward_backward_batch(data,
+loss, forward_only=False)` (Megatron's no-pipelining schedule -> verl's `forward_step` -> verl's thd
+pre/post-processing -> `_lm_head_logits_processor` -> the loss -> backward), timed on the host
+(synchronised: verl's step does host work of its own) from the batch to the weight gradients; the loss is
+the FSDP table's (sum logp + 0.01 sum entropy). Peak memory is above the model and the batch; the patched
+rows' distances are for logp, entropy and the output layer's gradient.
+The engine cannot be built by `initialize()` here: it asserts `use_mbridge`, and megatron-bridge / mbridge
+load a Hugging Face checkpoint; the layers are left out because thd attention without transformer-engine
+does not exist in megatron-core (its local `DotProductAttention` asserts `packed_seq_params is None`).
+On the CPU (`--smoke`) Megatron's schedule cannot run (megatron-core 0.18.0 allocates its token counter
+with device="cuda", pipeline_parallel/schedules.py:669), so the step is verl's `forward_step` and the
+loss/backward the schedule would run, on a gloo world of one.
 
 Where the GPU image lacks a module verl imports but this step never calls (`ray`, `datasets`, `PIL`,
 `pandas`), a stub module stands in; the JSON lists them (`stubbed_modules`). Prints a table last; writes
 JSON (--out) after every row. `--smoke`: tiny shapes on the CPU (CI).
 
     python benchmarks/bench_verl_step.py --out benchmarks/results/h200_verl_step.json
+    python benchmarks/bench_verl_step.py --suites megatron --out benchmarks/results/h200_megatron_step.json
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.machinery
 import json
@@ -204,13 +221,13 @@ def make_engine(fsdp_engine, verl_f):
     return engine
 
 
-def side_by_side(args, device, suite: str, make_call: Callable, report: Report) -> None:
+def side_by_side(args, device, suite: str, make_bench: Callable, make_call: Callable, report: Report) -> None:
     """Every (N, T, entropy) cell, unpatched then patched (`apply()` for that row only); each patched row
-    says how far its logp, entropy and gradient are from the unpatched ones on the same logits."""
+    says how far its logp, entropy and gradient are from the unpatched ones on the same inputs."""
     from rl_logp.integrations import verl as adapter
 
     for rows in args.rows:
-        bench = StepBench(rows, args.vocab, args.hidden, device, args.seq)
+        bench = make_bench(rows)
         for temperature in (1.0, 0.7):
             for entropy in (False, True):
                 reference = None
@@ -242,8 +259,8 @@ def run_fsdp(args, device, report: Report) -> None:
     import verl.workers.engine.fsdp.transformer_impl as fsdp_engine
 
     engines = {mode: make_engine(fsdp_engine, verl_f) for mode in ("unpatched", "patched")}
-    side_by_side(args, device, "fsdp step", lambda bench, mode, t, entropy: bench.fsdp_call(engines[mode], t, entropy),
-                 report)
+    side_by_side(args, device, "fsdp step", lambda rows: StepBench(rows, args.vocab, args.hidden, device, args.seq),
+                 lambda bench, mode, t, entropy: bench.fsdp_call(engines[mode], t, entropy), report)
 
 
 def _graphs() -> int:
@@ -289,26 +306,159 @@ def run_compile(args, device, report: Report) -> None:
             del x, got, eager
 
 
+def use_cpu_platform() -> None:
+    """verl 0.9.1 has CUDA and NPU platforms only; its Megatron step moves each micro-batch to the
+    platform's `current_device()`. On the CPU: the CUDA platform with "cpu" as its device."""
+    from verl.plugin.platform import platform_manager
+    from verl.plugin.platform.platform_cuda import PlatformCUDA
+
+    class PlatformCPU(PlatformCUDA):
+        device_name = "cpu"
+
+        def current_device(self) -> str:
+            return "cpu"
+
+    platform_manager.set_platform(PlatformCPU())
+
+
+def build_megatron_engine(vocab: int, hidden: int, device: torch.device, seed: int = 0):
+    """A `MegatronEngineWithLMHead` with what `MegatronEngine.__init__`/`initialize()` leave for the step,
+    on Megatron's parallel state (initialised by the caller; TP = its tensor-parallel size): verl's
+    `McoreEngineConfig` and a bf16 megatron-core `GPTModel` whose decoder has no layers (embedding ->
+    vocab-parallel output layer, weights N(0, (2/sqrt(hidden))^2): logits of std ~2, as in the FSDP table).
+    The same seed gives every TP layout the same full weights (built on the CPU, then split)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from verl.workers.config import McoreEngineConfig
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+    from verl.workers.engine.megatron.utils import set_random_seed
+
+    tp = mpu.get_tensor_model_parallel_world_size()
+    config = TransformerConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=tp, tensor_model_parallel_size=tp,  # the spec: none
+        params_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=True, init_method_std=2 / hidden**0.5,
+        hidden_dropout=0.0, attention_dropout=0.0,  # as Qwen's config: deterministic logits
+        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",  # as verl's provider sets them
+    )
+    set_random_seed(seed)  # as MegatronEngine.__init__ does (torch's and, on CUDA, Megatron's RNG tracker)
+    model = GPTModel(config=config, transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[]),
+                     vocab_size=vocab, max_sequence_length=1 << 20, position_embedding_type="none",
+                     parallel_output=True).to(device)
+    engine = object.__new__(MegatronEngineWithLMHead)
+    engine.engine_config = McoreEngineConfig(tensor_model_parallel_size=tp)
+    engine.model_config = types.SimpleNamespace(
+        mtp=types.SimpleNamespace(enable=False, enable_train=False),
+        hf_config=types.SimpleNamespace(architectures=["Qwen2ForCausalLM"]),
+        tokenizer=types.SimpleNamespace(pad_token_id=0),
+    )
+    engine.tf_config, engine.module, engine.enable_routing_replay = config, [model], False
+    return engine
+
+
+def megatron_batch(input_ids: torch.Tensor, temperature: float, entropy: bool, device: torch.device):
+    """The actor's micro-batch as `TrainingWorker.train_batch` hands it to the engine: packed (nested)
+    input ids, the loss mask, one temperature per sequence, and the engine keys it fills in."""
+    from verl.utils import tensordict_utils as tu
+
+    ones = torch.nested.nested_tensor_from_jagged(torch.ones_like(input_ids.values()), input_ids.offsets())
+    sequences = input_ids.offsets().numel() - 1
+    return tu.get_tensordict(
+        tensor_dict={"input_ids": input_ids, "loss_mask": ones,
+                     "temperature": torch.full((sequences,), temperature, device=device)},
+        non_tensor_dict={"calculate_entropy": entropy, "use_remove_padding": True, "use_dynamic_bsz": False,
+                         "micro_batch_size_per_gpu": sequences, "max_token_len_per_gpu": 1 << 30,
+                         "use_fused_kernels": False},
+    )
+
+
+def step_loss(model_output: dict, data, dp_group=None) -> tuple[torch.Tensor, dict]:
+    """verl's loss-function signature; the FSDP table's loss: sum logp + 0.01 sum entropy."""
+    loss = model_output["log_probs"].values().sum()
+    if "entropy" in model_output:
+        loss = loss + 0.01 * model_output["entropy"].values().float().sum()
+    return loss, {}
+
+
+def megatron_step(engine, data, forward_only: bool = False) -> dict:
+    """One engine step with `step_loss`: `forward_backward_batch` on CUDA; on the CPU verl's `forward_step`
+    and the loss and backward Megatron's schedule runs around it (see the module docstring)."""
+    from verl.utils import tensordict_utils as tu
+
+    if torch.cuda.is_available():
+        return engine.forward_backward_batch(data, step_loss, forward_only=forward_only)
+    model = engine.module[0]
+    tu.assign_non_tensor(data, batch_num_tokens=int(data["loss_mask"].values().sum()), dp_size=1, num_micro_batch=1)
+    post = functools.partial(engine.postprocess_micro_batch_func, forward_only=forward_only, loss_function=step_loss)
+    output, finish = engine.forward_step(iter([data]), model, step_loss, post)
+    loss, result = finish(output)
+    if not forward_only:
+        loss.backward()
+    return result
+
+
+class MegatronStepBench:
+    """The engine step on N packed tokens (sequences of `seq`), timed from the batch to the weight
+    gradients; outputs: logp, entropy and the output layer's gradient."""
+
+    def __init__(self, rows: int, engine, vocab: int, device: torch.device, seq: int) -> None:
+        gen = torch.Generator(device="cpu").manual_seed(rows)
+        lengths = [seq] * (rows // seq) + ([rows % seq] if rows % seq else [])
+        ids = torch.randint(0, vocab, (rows,), generator=gen).to(device)
+        self.input_ids = torch.nested.nested_tensor_from_jagged(ids, torch.tensor([0, *lengths], device=device).cumsum(0))
+        self.engine, self.device = engine, device
+
+    def megatron_call(self, temperature: float, entropy: bool) -> Callable[[], dict]:
+        def call() -> dict:
+            return megatron_step(self.engine, megatron_batch(self.input_ids, temperature, entropy, self.device))
+
+        return call
+
+    def measure(self, call: Callable[[], dict]) -> tuple[float, int]:
+        """One step: (host ms from the batch to the gradients, synchronised; peak bytes above the model and
+        the batch). Host time, since verl's step does host work of its own around the kernels."""
+        self.engine.module[0].zero_grad(set_to_none=True)
+        _sync(self.device)
+        base = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        call()
+        _sync(self.device)
+        ms = (time.perf_counter() - t0) * 1e3
+        return ms, (torch.cuda.max_memory_allocated() - base if self.device.type == "cuda" else 0)
+
+    def run(self, call: Callable[[], dict], warmup: int, reps: int) -> dict:
+        found = [self.measure(call) for _ in range(warmup + reps)][warmup:]
+        return {"fwd_bwd_ms": statistics.median(ms for ms, _ in found),
+                "peak_extra_gib": max(peak for _, peak in found) / 2**30}
+
+    def outputs(self, call: Callable[[], dict]) -> dict[str, torch.Tensor]:
+        self.engine.module[0].zero_grad(set_to_none=True)
+        out = call()["model_output"]
+        found = {name: out[key].values() for name, key in (("logp", "log_probs"), ("entropy", "entropy")) if key in out}
+        found["grad"] = self.engine.module[0].output_layer.weight.grad
+        return {k: v.detach().float() for k, v in found.items()}
+
+
 def run_megatron(args, device, report: Report) -> None:
-    """The Megatron engine's logits step at TP=1 (one process, its own NCCL group), where it imports."""
-    try:
-        import torch.distributed as dist
-        import verl.workers.engine.megatron.transformer_impl as megatron_engine
-        from megatron.core import parallel_state as mpu
-    except ImportError as err:
-        report.add({"suite": "megatron step", "note": f"not run: megatron-core is not importable here ({err})"})
-        return
-    if device.type != "cuda":
-        report.add({"suite": "megatron step", "note": "not run: Megatron's parallel state needs CUDA (NCCL)"})
-        return
+    """The Megatron engine step at TP=1 (a world of one: NCCL on CUDA, gloo on the CPU)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    if device.type == "cpu":
+        use_cpu_platform()
     if not dist.is_initialized():
-        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29561", rank=0, world_size=1)
-    mpu.initialize_model_parallel(1)
-    engine = object.__new__(megatron_engine.MegatronEngineWithLMHead)
-    engine.engine_config = types.SimpleNamespace(entropy_from_logits_with_chunking=False,
-                                                 entropy_from_logits_chunk_size=2048)
-    side_by_side(args, device, "megatron step", lambda bench, mode, t, entropy: bench.megatron_call(engine, t, entropy),
-                 report)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="tcp://127.0.0.1:29561",
+                                rank=0, world_size=1)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=1)
+    engine = build_megatron_engine(args.vocab, args.hidden, device)
+    side_by_side(args, device, "megatron step",
+                 lambda rows: MegatronStepBench(rows, engine, args.vocab, device, args.seq),
+                 lambda bench, mode, t, entropy: bench.megatron_call(t, entropy), report)
+    mpu.destroy_model_parallel()
 
 
 def print_table(results: list[dict]) -> None:
@@ -342,6 +492,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--compile-rows", type=int, nargs="+", default=[512, 8192, 32768])
     parser.add_argument("--backend", default="auto", help="rl-logp backend of the patched rows")
+    parser.add_argument("--suites", nargs="+", default=["fsdp", "compile", "megatron"],
+                        choices=["fsdp", "compile", "megatron"])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--out", default="benchmarks/results/verl_step.json")
     args = parser.parse_args()
@@ -363,9 +515,9 @@ def main() -> None:
         "stubbed_modules": stubbed,
         "command": " ".join(sys.argv),
     })
-    run_fsdp(args, device, report)
-    run_compile(args, device, report)
-    run_megatron(args, device, report)
+    suites = {"fsdp": run_fsdp, "compile": run_compile, "megatron": run_megatron}
+    for name in args.suites:
+        suites[name](args, device, report)
     print_table(report.rows)
 
 

@@ -6,7 +6,8 @@
 #   calls     bench_logp.py --suites rollout overhead tp: rollout-size calls, host time, TP agreement cost
 #             -> $OUT/h200_calls.json
 #   bench     bench_logp.py --suites main: every provider at 8192 and 32768 rows -> $OUT/h200_bench.json
-#   verl      bench_verl_step.py -> $OUT/h200_verl_step.json
+#   verl      bench_verl_step.py --suites fsdp compile (VERL_SUITES) -> $OUT/h200_verl_step.json
+#   megatron  bench_verl_step.py --suites megatron: verl's Megatron engine step -> $OUT/h200_megatron_step.json
 #   rollout   bench_rollout.py against each carried vLLM -> $OUT/h200_rollout_<version>.json
 #   check     the TP=2 agreement check with each carried vLLM as the rollout side
 # RL_LOGP_FUSED_CONFIG, when set, reaches every stage. Usage (on the GPU machine, from the repo root):
@@ -51,8 +52,11 @@ for stage in ${STAGES}; do
       timeout "${BENCH_TIMEOUT:-330}" python3 -P benchmarks/bench_logp.py --suites main \
         --reps "${REPS:-10}" --out "$OUT/h200_bench.json" 2>&1 | grep -v '^{' | tee "$OUT/bench.txt" | tail -60 ;;
     verl)
-      timeout "${VERL_TIMEOUT:-480}" python3 -P benchmarks/bench_verl_step.py --reps "${REPS:-10}" \
-        --out "$OUT/h200_verl_step.json" 2>&1 | quiet | tee "$OUT/verl_step.txt" | tail -30 ;;
+      timeout "${VERL_TIMEOUT:-480}" python3 -P benchmarks/bench_verl_step.py --suites ${VERL_SUITES:-fsdp compile} \
+        --reps "${REPS:-10}" --out "$OUT/h200_verl_step.json" 2>&1 | quiet | tee "$OUT/verl_step.txt" | tail -30 ;;
+    megatron)
+      timeout "${MEGATRON_TIMEOUT:-300}" python3 -P benchmarks/bench_verl_step.py --suites megatron \
+        --reps "${REPS:-10}" --out "$OUT/h200_megatron_step.json" 2>&1 | quiet | tee "$OUT/megatron_step.txt" | tail -30 ;;
     rollout)
       for version in ${ROLLOUT_VERSIONS:-${VLLM_VERSIONS[@]}}; do
         PYTHONPATH="${BASE}:/tmp/vllm-${version}" timeout "${ROLLOUT_TIMEOUT:-240}" python3 -P benchmarks/bench_rollout.py \

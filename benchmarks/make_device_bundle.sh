@@ -2,7 +2,8 @@
 # Build .whl/ (git-ignored) for a device run of benchmarks/device_run.sh: the cp312 wheels the GPU image
 # lacks, vLLM 0.24.0 and the latest release as Python sources only (the official wheels' compiled
 # libraries are hundreds of MB and a call carries 64 MiB), verl 0.9.1 and what its step imports, Liger,
-# and flash-attn's Triton cross entropy (the one file verl's logprobs_from_logits imports).
+# megatron-core 0.18.0 (verl's Megatron engine step), and flash-attn's Triton cross entropy (the one file
+# verl's logprobs_from_logits imports).
 # Usage: FLASH_ATTN_SRC=/path/to/flash-attention bash benchmarks/make_device_bundle.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,8 @@ fetch pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspe
 fetch verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 cloudpickle==3.1.3 omegaconf==2.3.1 peft==0.21.2 \
   accelerate==1.16.0 psutil==7.2.2 codetiming==1.4.0 orjson==3.13.0 liger-kernel==0.8.5 \
   transformers==5.10.4 tokenizers==0.22.2  # verl 0.9.1 excludes the image's transformers 5.17
+# megatron-core 0.18.0 (the `megatron` extra; the image has torch, numpy and packaging it needs).
+fetch megatron-core==0.18.0
 python3 -m pip wheel -q --no-deps antlr4-python3-runtime==4.9.3 -w .  # an sdist only upstream
 for version in 0.24.0 "${VLLM_LATEST}"; do
   [ -f "vllm-src-${version}.tar.xz" ] && continue

@@ -8,7 +8,8 @@ no division; logp and entropy from one `rl_logp.logprobs_and_entropy` call on Me
 `temperature=T` (the contract's fp32(x)/T inside; one read; in-place backward into the logits, which
 only rl-logp reads then, as Megatron's own vocab-parallel cross entropy does). With top-k distillation
 or Σπ² it calls verl's own method (bf16 division; the patched vocab-parallel functions score the
-result) after the strict-mode audit.
+result) after the strict-mode audit. Run with megatron-core 0.18.0's parallel state at TP = 2 and 3
+(tests/test_verl_megatron.py) and at TP = 1 on the GPU (benchmarks/bench_verl_step.py --suites megatron).
 """
 
 from __future__ import annotations
@@ -21,13 +22,11 @@ import torch
 import rl_logp
 from rl_logp import LogpConfig
 
-from .verl_functions import GroupGetter, megatron_tp_group
+from .verl_functions import megatron_tp_group
 from .verl_step import Auditor
 
 
-def wrap_lm_head_logits_processor(
-    original: Callable, config: LogpConfig, auditor: Auditor, group_getter: GroupGetter = megatron_tp_group
-) -> Callable:
+def wrap_lm_head_logits_processor(original: Callable, config: LogpConfig, auditor: Auditor) -> Callable:
     """`_lm_head_logits_processor` with verl 0.9.1's signature; see the module docstring."""
 
     @functools.wraps(original)
@@ -48,7 +47,7 @@ def wrap_lm_head_logits_processor(
                             distillation_only=distillation_only, logits_processor_func=logits_processor_func,
                             batch=batch, data_format=data_format)
         t = torch.where(temperature <= 0, torch.full_like(temperature, 1e-8), temperature)  # verl's guard
-        group = group_getter()
+        group = megatron_tp_group()
         out = {}
         if calculate_entropy and not distillation_only:
             out["log_probs"], out["entropy"] = rl_logp.logprobs_and_entropy(

@@ -5,7 +5,12 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test,verl]"
+.venv/bin/python -m pip install -q -e ".[test,verl,megatron]"
+# megatron-core 0.18.0 (the `megatron` extra) declares Python >= 3.12; on an older Python it is built from
+# its sdist (pure Python plus an optional C++ dataset helper) without that check: its sources run there.
+if ! .venv/bin/python -c "import sys; sys.exit(sys.version_info < (3, 12))"; then
+  .venv/bin/python -m pip install -q --ignore-requires-python --no-binary megatron-core "megatron-core==0.18.0"
+fi
 # vLLM 0.24.0 (the version verl 0.9.1 pins) pins torch 2.11 and CUDA packages: install it without its
 # dependencies, plus the few pure-Python ones its V1 sampler imports, so it runs on this CPU torch.
 .venv/bin/python -m pip install -q --no-deps "vllm==0.24.0"

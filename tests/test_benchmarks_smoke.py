@@ -73,6 +73,7 @@ def test_bench_verl_step_smoke(tmp_path):
     for r in compiled:
         if r["provider"].startswith("rl_logp"):
             assert r["compiled_vs_eager_mismatches"] == 0 and r["graphs_so_far"] == 1, r
-    assert [r["suite"] for r in report["results"] if "note" in r] == ["megatron step"]
+    # the Megatron step runs on the CPU too (tests/test_megatron_bench.py checks its rows)
+    assert not [r for r in report["results"] if "note" in r or "error" in r]
     assert report["stubbed_modules"] == []  # everything verl imports is installed here
     assert "f+b ms" in stdout

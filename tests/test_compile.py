@@ -165,7 +165,7 @@ def test_opcheck_every_op(device, one_rank_group):
     for args in _op_requests(device, one_rank_group):
         x = args[0].clone().requires_grad_(True)
         torch.library.opcheck(torch.ops.rl_logp.row_stats.default, (x, *args[1:]))
-        logp, ent, lse, row_max, log_sum = torch.ops.rl_logp.row_stats(*args)
+        _, ent, _, row_max, log_sum = torch.ops.rl_logp.row_stats(*args)
         g = torch.ones(args[0].shape[0], device=device)
         entropy = args[4]
         stats = (row_max, log_sum, ent if entropy else None, g if args[1] is not None else None, g if entropy else None)
