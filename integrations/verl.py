@@ -3,21 +3,12 @@
     from rl_logp.integrations import verl as rl_logp_verl
     rl_logp_verl.apply(backend="auto")    # ... and rl_logp_verl.revert()
 
-What `apply` replaces, only in modules named `verl[.*]` or `megatron[.*]` (a user's own reference to a
-verl function keeps the original):
-- `verl.utils.torch_functional`: `logprobs_from_logits`, `entropy_from_logits`,
-  `entropy_from_logits_with_chunking`, `calculate_sum_pi_squared_from_logits` (and every verl module that
-  imported them by name: the FSDP, automodel and torchtitan engines, naive rollout, prefix grouper).
-- the FSDP engine's `_scale_logits_by_temperature` and `FSDPEngineWithLMHead.prepare_model_outputs`
-  (run under a step plan: temperature handed to rl-logp instead of a bf16 division, logp and entropy
-  from one read, in-place backward only where safe; see `integrations.verl_step`).
-- engines that captured `compute_entropy_from_logits` when they were built (the FSDP/veomni/automodel/
-  torchtitan engines bind it, `torch.compile`d, in `__init__`): live ones found at `apply`, new ones from
-  `EngineRegistry.new`, any other on its first step.
-- Megatron (when installed): `vocab_parallel_log_probs_from_logits`, `vocab_parallel_entropy[_with_chunking]`
-  on Megatron's TP group, and `MegatronEngineWithLMHead._lm_head_logits_processor` (temperature handed to
-  rl-logp instead of divided in place; `integrations.verl_megatron`).
-- `verl.utils.debug.metrics.calculate_debug_metrics` gains the on-policy metric (`integrations.verl_metrics`).
+`SITES` names every site `apply` replaces, once: where it is, what replaces it, whether `refuse` puts a
+raising stand-in there and whether verl's FSDP step reads it (checked before every step; see
+`integrations.verl_step` for what a step does when one is not rl-logp's). Functions are replaced only in
+modules named `verl[.*]` or `megatron[.*]` (a user's own reference keeps verl's); engines that captured
+`compute_entropy_from_logits` when they were built are patched when found: live ones at `apply`, new ones
+from `EngineRegistry.new`, any other on its first FSDP step.
 
 `revert` restores exactly the objects that were there. Processes you do not control get the patch from
 `integrations.verl_hook` (the `verl.plugins` entry point and `actor_rollout_ref.model.external_lib`).
@@ -43,7 +34,7 @@ from . import verl_functions as fn
 from .patching import PatchSet
 from .verl_megatron import wrap_lm_head_logits_processor
 from .verl_metrics import wrap_calculate_debug_metrics
-from .verl_step import Auditor, wrap_prepare_model_outputs
+from .verl_step import FLAG_BYPASSES, Auditor, wrap_prepare_model_outputs
 
 VERL_PREFIXES = ("verl", "megatron")
 TORCH_FUNCTIONAL = "verl.utils.torch_functional"
@@ -52,14 +43,6 @@ ENGINE_BASE = "verl.workers.engine.base"
 MEGATRON_TP = "verl.utils.megatron.tensor_parallel"
 MEGATRON_ENGINE = "verl.workers.engine.megatron.transformer_impl"
 DEBUG_METRICS = "verl.utils.debug.metrics"
-ENTROPY_ATTR = "compute_entropy_from_logits"
-# The functions verl 0.9.1's FSDP prepare_model_outputs looks up when it runs.
-STEP_SITES = (
-    f"{VERL_FSDP_ENGINE}._scale_logits_by_temperature",
-    f"{VERL_FSDP_ENGINE}.logprobs_from_logits",
-    f"{TORCH_FUNCTIONAL}.entropy_from_logits",
-    f"{TORCH_FUNCTIONAL}.calculate_sum_pi_squared_from_logits",
-)
 # Engines whose prepare_model_outputs divides the logits by the temperature inline before rl-logp sees
 # them (bf16 x / bf16(T), or in place); see docs/verl.md.
 INLINE_TEMPERATURE_ENGINES = {
@@ -68,6 +51,75 @@ INLINE_TEMPERATURE_ENGINES = {
 }
 
 logger = logging.getLogger("rl_logp.verl")
+
+FUNCTION, METHOD, ENGINE = "function", "method", "engine"
+
+
+@dataclasses.dataclass
+class _Parts:
+    """What one `apply` builds its replacements from."""
+
+    config: LogpConfig
+    auditor: Auditor
+    adopt: Callable[[Any], None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One verl 0.9.1 site the adapter replaces.
+
+    - `kind`: FUNCTION (`owner` a module; every verl/Megatron module binding the same object is rebound),
+      METHOD (`owner` "module.Class"; the class attribute is wrapped) or ENGINE (the attribute of each
+      engine instance, set when the engine is adopted).
+    - `make(parts, original)`: the replacement for one `apply`, from its config, auditor and adopt and
+      verl's original.
+    - `scores`: it scores logits, so `refuse` puts a raising stand-in there.
+    - `step`: where verl's FSDP step looks it up when it runs (a module, or ENGINE: the step's engine);
+      checked before every step, a binding that is not rl-logp's bypasses the step. None: not read there.
+    """
+
+    kind: str
+    owner: str
+    attr: str
+    make: Callable[[_Parts, Callable | None], Callable]
+    scores: bool = False
+    step: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.owner}.{self.attr}"
+
+
+def _drop_in(make: Callable[[LogpConfig], Callable]) -> Callable[[_Parts, Callable | None], Callable]:
+    """A `Site.make` for a drop-in built from the config alone."""
+    return lambda parts, _original: make(parts.config)
+
+
+TF, FSDP, MCORE = TORCH_FUNCTIONAL, VERL_FSDP_ENGINE, MEGATRON_TP
+SITES = (
+    Site(FUNCTION, TF, "logprobs_from_logits", _drop_in(fn.make_logprobs_from_logits), scores=True, step=FSDP),
+    Site(FUNCTION, TF, "entropy_from_logits", _drop_in(fn.make_entropy_from_logits), scores=True, step=TF),
+    Site(FUNCTION, TF, "entropy_from_logits_with_chunking", _drop_in(fn.make_entropy_from_logits), scores=True),
+    Site(FUNCTION, TF, "calculate_sum_pi_squared_from_logits", _drop_in(fn.make_sum_pi_squared), scores=True,
+         step=TF),
+    Site(FUNCTION, FSDP, "_scale_logits_by_temperature",
+         lambda parts, verl: fn.make_scale_logits_by_temperature(verl), scores=True, step=FSDP),
+    Site(FUNCTION, MCORE, "vocab_parallel_log_probs_from_logits",
+         _drop_in(fn.make_vocab_parallel_log_probs_from_logits), scores=True),
+    Site(FUNCTION, MCORE, "vocab_parallel_entropy", _drop_in(fn.make_vocab_parallel_entropy), scores=True),
+    Site(FUNCTION, MCORE, "vocab_parallel_entropy_with_chunking", _drop_in(fn.make_vocab_parallel_entropy),
+         scores=True),
+    # bound, torch.compile'd, in __init__ by the FSDP (l. 183), veomni, automodel and torchtitan engines
+    Site(ENGINE, "engine", "compute_entropy_from_logits", _drop_in(fn.make_entropy_from_logits), scores=True,
+         step=ENGINE),
+    Site(METHOD, f"{FSDP}.FSDPEngineWithLMHead", "prepare_model_outputs",
+         lambda parts, verl: wrap_prepare_model_outputs(verl, parts.adopt, parts.auditor)),
+    Site(METHOD, f"{MEGATRON_ENGINE}.MegatronEngineWithLMHead", "_lm_head_logits_processor",
+         lambda parts, verl: wrap_lm_head_logits_processor(verl, parts.config, parts.auditor)),
+    Site(METHOD, f"{ENGINE_BASE}.EngineRegistry", "new", lambda parts, verl: _wrap_registry_new(verl, parts.adopt)),
+    Site(FUNCTION, DEBUG_METRICS, "calculate_debug_metrics", lambda parts, verl: wrap_calculate_debug_metrics(verl)),
+)
+ENGINE_SITE = next(site for site in SITES if site.kind == ENGINE)
 
 
 @dataclasses.dataclass
@@ -107,54 +159,24 @@ def apply(backend: str | None = None, config: LogpConfig | dict[str, Any] | None
 
 
 def _apply(cfg: LogpConfig) -> None:
-    auditor = Auditor(cfg.strict)
-    entropy = fn.make_entropy_from_logits(cfg)
-    _install(
-        {
-            f"{TORCH_FUNCTIONAL}.logprobs_from_logits": fn.make_logprobs_from_logits(cfg),
-            f"{TORCH_FUNCTIONAL}.entropy_from_logits": entropy,
-            f"{TORCH_FUNCTIONAL}.entropy_from_logits_with_chunking": entropy,
-            f"{TORCH_FUNCTIONAL}.calculate_sum_pi_squared_from_logits": fn.make_sum_pi_squared(cfg),
-            f"{VERL_FSDP_ENGINE}._scale_logits_by_temperature": fn.scale_logits_by_temperature,
-            f"{MEGATRON_TP}.vocab_parallel_log_probs_from_logits": fn.make_vocab_parallel_log_probs_from_logits(cfg),
-            f"{MEGATRON_TP}.vocab_parallel_entropy": fn.make_vocab_parallel_entropy(cfg),
-            f"{MEGATRON_TP}.vocab_parallel_entropy_with_chunking": fn.make_vocab_parallel_entropy(cfg),
-        }
-    )
-    adopt = _make_adopt(entropy, auditor)
-    for site in STEP_SITES:  # what the FSDP step reads at call time: checked at every step
-        module_name, attr = site.rsplit(".", 1)
-        if module_name in sys.modules and hasattr(sys.modules[module_name], attr):
-            auditor.expect(site, sys.modules[module_name], attr, getattr(sys.modules[module_name], attr))
-    auditor.expect(f"FSDPEngineWithLMHead.{ENTROPY_ATTR} (the engine's)", None, ENTROPY_ATTR, entropy)
-    _wrap_method(f"{VERL_FSDP_ENGINE}.FSDPEngineWithLMHead.prepare_model_outputs",
-                 lambda original: wrap_prepare_model_outputs(original, adopt, auditor))
-    _wrap_method(f"{MEGATRON_ENGINE}.MegatronEngineWithLMHead._lm_head_logits_processor",
-                 lambda original: wrap_lm_head_logits_processor(original, cfg, auditor))
-    _wrap_method(f"{ENGINE_BASE}.EngineRegistry.new", lambda original: _wrap_registry_new(original, adopt))
-    _install({f"{DEBUG_METRICS}.calculate_debug_metrics": None}, wrapper=wrap_calculate_debug_metrics)
-    _adopt_live_engines(adopt)
+    parts = _Parts(cfg, Auditor(cfg.strict))
+    engine_value = ENGINE_SITE.make(parts, None)
+    parts.adopt = _make_adopt(engine_value, parts.auditor)
+    _expect(parts.auditor, ENGINE_SITE, engine_value)
+    _install([site for site in SITES if site.kind != ENGINE], lambda site, original: site.make(parts, original),
+             parts.auditor)
+    _adopt_live_engines(parts.adopt)
 
 
 def refuse(message: str) -> None:
     """Fail closed: rl-logp was asked for (an `RL_LOGP_*` variable) but its configuration is invalid.
-    Replace the same verl functions with stand-ins that raise `message`, so verl never runs unpatched."""
+    Replace every site that scores logits with a stand-in that raises `message`, so verl never runs unpatched."""
     global _active
     revert()
     logger.error("%s; verl's logp functions in this process raise until it is fixed", message)
-    sites = [
-        f"{TORCH_FUNCTIONAL}.logprobs_from_logits",
-        f"{TORCH_FUNCTIONAL}.entropy_from_logits",
-        f"{TORCH_FUNCTIONAL}.entropy_from_logits_with_chunking",
-        f"{TORCH_FUNCTIONAL}.calculate_sum_pi_squared_from_logits",
-        f"{VERL_FSDP_ENGINE}._scale_logits_by_temperature",
-        f"{MEGATRON_TP}.vocab_parallel_log_probs_from_logits",
-        f"{MEGATRON_TP}.vocab_parallel_entropy",
-        f"{MEGATRON_TP}.vocab_parallel_entropy_with_chunking",
-    ]
-    _install({site: fn.make_refusal(site, message) for site in sites})
-    refusal = fn.make_refusal(ENTROPY_ATTR, message)
-    _adopt_live_engines(_make_adopt(refusal, Auditor(strict=False)))
+    _install([site for site in SITES if site.scores and site.kind == FUNCTION],
+             lambda site, _original: fn.make_refusal(site.name, message))
+    _adopt_live_engines(_make_adopt(fn.make_refusal(ENGINE_SITE.attr, message), Auditor(strict=False)))
     _active = None
 
 
@@ -177,42 +199,53 @@ def report() -> PatchReport:
     return _report
 
 
-def _import(module_name: str, site: str) -> Any:
+def _install(sites: list[Site], make: Callable[[Site, Callable], Callable], auditor: Auditor | None = None) -> None:
+    """Replace each site with `make(site, original)`; with `auditor`, register the bindings the FSDP step
+    reads. Every module is imported first, so every binding of a function is counted."""
+    found = [(site, _resolve(site)) for site in sites]
+    for site, (owner, original) in found:
+        if owner is None:
+            continue
+        if site.kind == FUNCTION:
+            value = make(site, original)
+            count = _patches.replace_in_modules(original, value, VERL_PREFIXES)
+            _report.patched.append(f"{site.name} ({count} bindings)")
+        elif isinstance(original, classmethod):
+            value = make(site, original.__func__)
+            _patches.set_attr(owner, site.attr, classmethod(value))
+            _report.patched.append(site.name)
+        else:
+            value = make(site, original)
+            _patches.set_attr(owner, site.attr, value)
+            _report.patched.append(site.name)
+        if auditor is not None:
+            _expect(auditor, site, value)
+
+
+def _expect(auditor: Auditor, site: Site, value: Callable) -> None:
+    """Register the binding verl's FSDP step will look up for `site` (if it reads it): it must be `value`."""
+    if site.step == ENGINE:
+        auditor.expect(f"the FSDP engine's {site.attr}", None, site.attr, value)
+    elif site.step is not None and hasattr(sys.modules.get(site.step), site.attr):
+        auditor.expect(f"{site.step}.{site.attr}", sys.modules[site.step], site.attr, value)
+
+
+def _resolve(site: Site) -> tuple[Any, Any]:
+    """(the module or class holding the site, verl's original there), or (None, None) with the reason in
+    the report."""
+    module_name, cls_name = (site.owner, None) if site.kind == FUNCTION else site.owner.rsplit(".", 1)
     try:
-        return importlib.import_module(module_name)
+        owner = importlib.import_module(module_name)
     except ImportError as err:
-        _report.not_patched[site] = f"{module_name} does not import here: {err}"
-        return None
-
-
-def _install(replacements: dict[str, Callable | None], wrapper: Callable | None = None) -> None:
-    """Replace each `module.attr` in every verl/Megatron module that binds it. With `wrapper`, the
-    replacement is `wrapper(original)`. All modules are imported first, so every binding is counted."""
-    modules = {site: _import(site.rsplit(".", 1)[0], site) for site in replacements}
-    for site, replacement in replacements.items():
-        module, attr = modules[site], site.rsplit(".", 1)[1]
-        if module is None:
-            continue
-        original = getattr(module, attr, None)
-        if original is None:
-            _report.not_patched[site] = f"this verl has no {attr} (verl 0.9.1 has)"
-            continue
-        count = _patches.replace_in_modules(original, replacement or wrapper(original), VERL_PREFIXES)
-        _report.patched.append(f"{site} ({count} bindings)")
-
-
-def _wrap_method(site: str, make: Callable[[Callable], Callable]) -> None:
-    module_name, cls_name, attr = site.rsplit(".", 2)
-    module = _import(module_name, site)
-    if module is None:
-        return
-    cls = getattr(module, cls_name)
-    original = cls.__dict__[attr]
-    if isinstance(original, classmethod):
-        _patches.set_attr(cls, attr, classmethod(make(original.__func__)))
-    else:
-        _patches.set_attr(cls, attr, make(original))
-    _report.patched.append(site)
+        _report.not_patched[site.name] = f"{module_name} does not import here: {err}"
+        return None, None
+    if cls_name is not None:
+        owner = getattr(owner, cls_name)
+    original = vars(owner).get(site.attr)
+    if original is None:
+        _report.not_patched[site.name] = f"this verl has no {site.attr} (verl 0.9.1 has)"
+        return None, None
+    return owner, original
 
 
 def _make_adopt(entropy: Callable, auditor: Auditor) -> Callable[[Any], None]:
@@ -226,11 +259,8 @@ def _make_adopt(entropy: Callable, auditor: Auditor) -> Callable[[Any], None]:
         name = type(engine).__name__
         model_config = getattr(engine, "model_config", None)
         if getattr(model_config, "use_fused_kernels", False):
-            auditor.bypass(
-                f"actor_rollout_ref.model.use_fused_kernels=True ({name})",
-                "verl's fused linear + cross entropy computes logp and entropy without materialising the logits",
-                "set actor_rollout_ref.model.use_fused_kernels=False",
-            )
+            site, why, fix = FLAG_BYPASSES["use_fused_kernels"]
+            auditor.bypass(f"{site} ({name})", why, fix, engine)
         for cls in type(engine).__mro__:
             if cls.__name__ in INLINE_TEMPERATURE_ENGINES:
                 auditor.bypass(
@@ -238,15 +268,17 @@ def _make_adopt(entropy: Callable, auditor: Auditor) -> Callable[[Any], None]:
                     f"it divides the logits by the temperature inline ({INLINE_TEMPERATURE_ENGINES[cls.__name__]}), "
                     "so at T != 1 its logp and entropy are of bf16-rounded logits, not the contract's fp32(x)/T",
                     "use the FSDP engine (actor_rollout_ref.actor.strategy=fsdp2), or T = 1",
+                    engine,
                 )
                 break
-        if ENTROPY_ATTR in vars(engine):
+        attr = ENGINE_SITE.attr
+        if attr in vars(engine):
             try:
-                _patches.set_attr(engine, ENTROPY_ATTR, entropy)
+                _patches.set_attr(engine, attr, entropy)
             except (AttributeError, TypeError) as err:
-                _report.not_patched[f"{name}.{ENTROPY_ATTR} at {id(engine):#x}"] = f"cannot set it: {err}"
-                auditor.bypass(f"{name}.{ENTROPY_ATTR}", f"the engine refused the patch ({err})",
-                               "call rl_logp.integrations.verl.apply() before the engine is built")
+                _report.not_patched[f"{name}.{attr} at {id(engine):#x}"] = f"cannot set it: {err}"
+                auditor.bypass(f"{name}.{attr}", f"the engine refused the patch ({err})",
+                               "call rl_logp.integrations.verl.apply() before the engine is built", engine)
                 return
         _report.engines += 1
 
@@ -263,8 +295,10 @@ def _wrap_registry_new(original: Callable, adopt: Callable[[Any], None]) -> Call
 
 
 def _adopt_live_engines(adopt: Callable[[Any], None]) -> None:
-    base = _import(ENGINE_BASE, "live engines")
-    if base is None:
+    try:
+        base = importlib.import_module(ENGINE_BASE)
+    except ImportError as err:
+        _report.not_patched["live engines"] = f"{ENGINE_BASE} does not import here: {err}"
         return
     for obj in gc.get_objects():
         if issubclass(type(obj), base.BaseEngine):  # type(), not isinstance: no __class__ properties run

@@ -2,8 +2,9 @@
 
 Each keeps verl's signature and output shape and returns fp32. Inside an FSDP-engine step they follow the
 step's `StepPlan` (`integrations.verl_step`): deferred temperature, logp and entropy from one read,
-in-place backward only where rl-logp's node is the logits' only autograd consumer. Outside a step
-(other engines, the naive rollout, user code) they score the logits they are given, out of place.
+in-place backward only where rl-logp's node is the logits' only autograd consumer; in a bypassed step
+the temperature step is verl's own and the others score the logits it returns. Outside a step (other
+engines, the naive rollout, user code) they score the logits they are given, out of place.
 
 verl's originals, for reference (verl/utils/torch_functional.py unless named):
 `logprobs_from_logits` line 73, `entropy_from_logits` 231, `entropy_from_logits_with_chunking` 248,
@@ -92,25 +93,34 @@ def make_sum_pi_squared(config: LogpConfig) -> Callable:
     return calculate_sum_pi_squared_from_logits
 
 
-def scale_logits_by_temperature(
-    logits: torch.Tensor, temperature: torch.Tensor, *, is_unit_temperature: bool
-) -> torch.Tensor:
-    """The FSDP engine's `_scale_logits_by_temperature`. Where the step's plan defers the temperature the
-    logits come back unchanged and T (clamped at 1e-8, as verl does) goes to the consumers; elsewhere
-    the contract's `fp32(x) / T` is materialised (fp32: one bf16 logits-sized buffer more than verl)."""
-    plan = current_plan()
-    deferred = None
-    if is_unit_temperature:
-        out = logits
-    elif plan is not None and plan.defer_temperature:
-        out = logits
-        t = temperature.clamp(min=1e-8).to(torch.float32)
-        deferred = torch.broadcast_to(t, (*logits.shape[:-1], 1))[..., 0]
-    else:
-        out = logits.to(torch.float32) / temperature.clamp(min=1e-8).to(torch.float32)
-    if plan is not None:
-        plan.bind(out, deferred)
-    return out
+def make_scale_logits_by_temperature(verl_scale: Callable) -> Callable:
+    """The FSDP engine's `_scale_logits_by_temperature(logits, temperature, *, is_unit_temperature)`;
+    `verl_scale` is verl's own. In a bypassed step (`StepPlan.verl_scaling`) verl's runs, so every consumer
+    gets the logits verl gives it. Where the step's plan defers the temperature the logits come back
+    unchanged and T (clamped at 1e-8, as verl does) goes to the consumers; elsewhere (no plan, or a plan
+    that cannot defer) the contract's `fp32(x) / T` is materialised (one bf16 logits-sized buffer more
+    than verl)."""
+
+    def _scale_logits_by_temperature(
+        logits: torch.Tensor, temperature: torch.Tensor, *, is_unit_temperature: bool
+    ) -> torch.Tensor:
+        plan = current_plan()
+        deferred = None
+        if plan is not None and plan.verl_scaling:
+            out = verl_scale(logits, temperature, is_unit_temperature=is_unit_temperature)
+        elif is_unit_temperature:
+            out = logits
+        elif plan is not None and plan.defer_temperature:
+            out = logits
+            t = temperature.clamp(min=1e-8).to(torch.float32)
+            deferred = torch.broadcast_to(t, (*logits.shape[:-1], 1))[..., 0]
+        else:
+            out = logits.to(torch.float32) / temperature.clamp(min=1e-8).to(torch.float32)
+        if plan is not None:
+            plan.bind(out, deferred)
+        return out
+
+    return _scale_logits_by_temperature
 
 
 def megatron_tp_group() -> dist.ProcessGroup:

@@ -3,22 +3,30 @@
 verl 0.9.1's `FSDPEngineWithLMHead.prepare_model_outputs` (verl/workers/engine/fsdp/transformer_impl.py,
 lines 1332-1547) scales the logits by the temperature (`_scale_logits_by_temperature`, line 98: bf16
 `x / bf16(T)`), then hands the result to `calculate_sum_pi_squared_from_logits`, the engine's
-`compute_entropy_from_logits`, the distillation `logits_processor_func` and `logprobs_from_logits`. The
-adapter wraps that method: before verl's body runs, a `StepPlan` is built from the micro-batch's flags and
-set for the duration of the call (a context variable). The patched functions consult it:
+`compute_entropy_from_logits` (remove-padding) or `verl_F.entropy_from_logits` (padded), the distillation
+`logits_processor_func` and `logprobs_from_logits`. The adapter wraps that method: before verl's body
+runs, a `StepPlan` is built from the micro-batch's flags and the bindings the step will look up, and set
+for the duration of the call (a context variable). The patched functions consult it:
 
 - temperature deferred: when every consumer of the scaled logits is an rl-logp function (no distillation
-  top-k, no entropy checkpointing, remove-padding on), the patched scale step returns the logits unchanged
-  and records T; the consumers pass `temperature=T` to rl-logp (the contract's `fp32(x) / T`, computed
-  inside: no logits-sized buffer). Otherwise the scale step materialises `fp32(x) / T`.
+  top-k, no entropy checkpointing, remove-padding on, nothing bypassed), the patched scale step returns
+  the logits unchanged and records T; the consumers pass `temperature=T` to rl-logp (the contract's
+  `fp32(x) / T`, computed inside: no logits-sized buffer). Otherwise the scale step materialises
+  `fp32(x) / T`.
 - one read for logp and entropy: when verl asks for both on the same logits (remove-padding on, no
-  entropy checkpointing), the entropy call runs `rl_logp.logprobs_and_entropy` with the step's labels and
-  the logp call that follows returns the stored logp: one forward read, one combined backward.
+  entropy checkpointing, nothing bypassed), the entropy call runs `rl_logp.logprobs_and_entropy` with the
+  step's labels and the logp call that follows returns the stored logp: one forward read, one combined
+  backward.
 - in-place backward only where rl-logp's node is the only autograd consumer of those logits (no
   distillation top-k, entropy served by the same node or not computed); anything else is out of place.
 
-`Auditor` carries the strict switch: a call site that does not route through rl-logp warns once, or raises
-naming the site under `RL_LOGP_STRICT=1`.
+Fail closed. A step that meets a consumer rl-logp does not serve (a binding the step looks up that is not
+rl-logp's: rebound after `apply`, or an engine that refused the patch; verl's `use_fused_kernels`; the
+distillation top-k processor; anything the `Auditor` flagged on the engine) is a *bypassed* step: the
+scale step is verl's own (bf16 `x / bf16(T)`), nothing is deferred or combined, so every consumer, rl-logp's
+or not, gets exactly the logits verl gives it. The `Auditor` reports the site first: a warning once per
+site, or `StrictModeError` under `RL_LOGP_STRICT=1` (the step does not run). A consumer of rl-logp's that
+receives other logits than the scale step returned while T is deferred raises (never scores them at T=1).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import contextvars
 import dataclasses
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +43,20 @@ import torch
 
 logger = logging.getLogger("rl_logp.verl")
 _plan: contextvars.ContextVar[StepPlan | None] = contextvars.ContextVar("rl_logp_verl_step", default=None)
+
+# Micro-batch flags that take the step's logits away from rl-logp: flag -> (site, why, fix).
+FLAG_BYPASSES = {
+    "use_fused_kernels": (
+        "actor_rollout_ref.model.use_fused_kernels=True",
+        "verl's fused linear + cross entropy computes logp and entropy without materialising the logits",
+        "set actor_rollout_ref.model.use_fused_kernels=False",
+    ),
+    "distillation_use_topk": (
+        "distillation top-k logits processor (distillation_use_topk=True)",
+        "verl's top-k distillation loss scores the student logits with torch's log_softmax/logsumexp",
+        "use a distillation loss without top-k, or accept these logits scored by torch",
+    ),
+}
 
 
 class StrictModeError(RuntimeError):
@@ -43,39 +66,59 @@ class StrictModeError(RuntimeError):
 class Auditor:
     """Reports call sites that bypass rl-logp: a warning once per site, or `StrictModeError` if strict.
 
-    `expect` registers a binding the FSDP step must find (a verl module's function, or an engine
-    attribute); `check_step` verifies them at every step, so a function rebound after `apply` is caught."""
+    `expect` registers a binding the FSDP step looks up (a verl module's function, or an engine
+    attribute); `unrouted` checks them at every step, so a function rebound after `apply` is caught.
+    `bypass(..., engine=e)` also marks the engine, whose steps are then bypassed (`flagged`)."""
 
     def __init__(self, strict: bool) -> None:
         self.strict = strict
         self._warned: set[str] = set()
         self._expected: list[tuple[str, Any, str, object]] = []
+        self._engines: weakref.WeakSet = weakref.WeakSet()
 
-    def bypass(self, site: str, why: str, fix: str) -> None:
+    def bypass(self, site: str, why: str, fix: str, engine: Any = None) -> None:
         message = f"rl_logp: verl call site {site} does not route through rl-logp: {why}. Fix: {fix}"
+        if engine is not None:
+            self._engines.add(engine)
         if self.strict:
             raise StrictModeError(message + " (RL_LOGP_STRICT=1 refuses to run it; unset it to only warn)")
         if site not in self._warned:
             self._warned.add(site)
-            logger.warning("%s (warned once; RL_LOGP_STRICT=1 makes this an error)", message)
+            logger.warning(
+                "%s. Until then each step that meets it runs verl's own temperature step, nothing deferred to "
+                "rl-logp or combined: this site gets exactly the logits verl gives it, every value is at the "
+                "right temperature, none has the contract's bits at T != 1 (warned once; RL_LOGP_STRICT=1 "
+                "makes this an error)",
+                message,
+            )
 
     def expect(self, site: str, owner: Any, attr: str, value: object) -> None:
         """`owner.attr` must be `value` when a step runs (`owner` None: the step's engine)."""
         self._expected.append((site, owner, attr, value))
 
-    def check_step(self, engine: Any) -> None:
+    def unrouted(self, engine: Any) -> list[str]:
+        """The expected bindings this engine's step would not find, each reported through `bypass`."""
+        unrouted = []
         for site, owner, attr, value in self._expected:
             found = getattr(engine if owner is None else owner, attr, value)
             if found is not value:
                 where = f"{getattr(found, '__module__', '?')}.{getattr(found, '__qualname__', found)}"
                 self.bypass(site, f"it is bound to {where}, not rl-logp's replacement",
                             "call rl_logp.integrations.verl.apply() after whatever rebinds it")
+                unrouted.append(site)
+        return unrouted
+
+    def flagged(self, engine: Any) -> bool:
+        """Whether a bypass was reported for this engine itself (at adoption: fused kernels, a refused patch)."""
+        return engine in self._engines
 
 
 @dataclasses.dataclass
 class StepPlan:
-    """What one `prepare_model_outputs` call may do with its scaled logits (see the module docstring)."""
+    """What one `prepare_model_outputs` call may do with its scaled logits (see the module docstring).
+    `verl_scaling`: the step is bypassed, the scale step is verl's own."""
 
+    verl_scaling: bool
     defer_temperature: bool
     combine: bool
     sole_consumer: bool
@@ -130,29 +173,24 @@ def _flag(micro_batch: Any, key: str, default: Any = False) -> Any:
 
 
 def fsdp_plan(engine: Any, micro_batch: Any, output_args: dict, auditor: Auditor) -> StepPlan:
-    """The plan for one call of verl 0.9.1's FSDP `prepare_model_outputs`, auditing its flags."""
-    if _flag(micro_batch, "use_fused_kernels"):
-        auditor.bypass(
-            "actor_rollout_ref.model.use_fused_kernels=True",
-            "verl's fused linear + cross entropy computes logp and entropy without materialising the logits",
-            "set actor_rollout_ref.model.use_fused_kernels=False",
-        )
+    """The plan for one call of verl 0.9.1's FSDP `prepare_model_outputs`, auditing its bindings and flags
+    (strict mode raises here, before verl's body runs)."""
+    bypassed = bool(auditor.unrouted(engine))
+    for key, (site, why, fix) in FLAG_BYPASSES.items():
+        if _flag(micro_batch, key):
+            auditor.bypass(site, why, fix)
+            bypassed = True
+    bypassed = bypassed or auditor.flagged(engine)
     distillation = bool(_flag(micro_batch, "distillation_use_topk"))
-    if distillation:
-        auditor.bypass(
-            "distillation top-k logits processor (distillation_use_topk=True)",
-            "verl's top-k distillation loss scores the student logits with torch's log_softmax/logsumexp",
-            "use a distillation loss without top-k, or accept these logits scored by torch",
-        )
     rmpad = bool(_flag(micro_batch, "use_remove_padding", True))
     entropy = bool(_flag(micro_batch, "calculate_entropy"))
     checkpointing = bool(getattr(engine.engine_config, "entropy_checkpointing", False))
     # Entropy checkpointing recomputes the entropy in the backward, outside this call: T must be in the
     # logits by then. Without remove-padding verl repacks the logits (nested narrow + cat) before logp.
-    defer = rmpad and not distillation and not (entropy and checkpointing)
-    combine = rmpad and entropy and not checkpointing and not _flag(micro_batch, "distillation_only")
+    combine = not bypassed and rmpad and entropy and not checkpointing and not _flag(micro_batch, "distillation_only")
     return StepPlan(
-        defer_temperature=defer,
+        verl_scaling=bypassed,
+        defer_temperature=not bypassed and rmpad and not (entropy and checkpointing),
         combine=combine,
         sole_consumer=not distillation and (combine or not entropy),
         labels=output_args.get("input_ids_rmpad_rolled") if rmpad else None,
@@ -167,7 +205,6 @@ def wrap_prepare_model_outputs(
     @functools.wraps(original)
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
         adopt(self)
-        auditor.check_step(self)
         token = _plan.set(fsdp_plan(self, micro_batch, output_args, auditor))
         try:
             return original(self, output, output_args, micro_batch, logits_processor_func)

@@ -179,7 +179,7 @@ def test_strict_mode_refuses_a_live_fused_kernel_engine_and_leaves_verl_unpatche
     assert adapter.active_config() is None
     adapter.apply(backend="chunked")  # not strict: warns and patches
     try:
-        assert fused.compute_entropy_from_logits is tf.entropy_from_logits
+        assert fused.compute_entropy_from_logits.__module__ == "rl_logp.integrations.verl_functions"
     finally:
         adapter.revert()
 
@@ -289,3 +289,38 @@ def test_ray_worker_gets_the_patch_from_runtime_env_alone():
     y = torch.randint(0, 77, (5,), generator=g)
     assert module == "rl_logp.integrations.verl_functions"
     assert torch.equal(bits(out), bits(rl_logp.logprobs(x, y, backend="chunked")))
+
+
+def _site_binding(site) -> object:
+    owner = importlib.import_module(site.owner.rsplit(".", 1)[0] if site.kind == adapter.METHOD else site.owner)
+    if site.kind == adapter.METHOD:
+        owner = getattr(owner, site.owner.rsplit(".", 1)[1])
+    return vars(owner)[site.attr]
+
+
+def test_one_site_table_drives_apply_and_refuse():
+    """Every row of `SITES` is replaced by `apply` and restored by `revert`; `refuse` puts a raising
+    stand-in at exactly the rows that score logits."""
+    adapter.revert()
+    rows = [site for site in adapter.SITES if site.kind != adapter.ENGINE]
+    stock = {site.name: _site_binding(site) for site in rows}
+    engine = _engine_like(compiled=False)
+    adapter.apply(backend="chunked")
+    try:
+        for site in rows:
+            assert _site_binding(site) is not stock[site.name], site.name
+        assert engine.compute_entropy_from_logits is not tf.entropy_from_logits
+        assert len(adapter.report().patched) == len(rows)
+        adapter.refuse("rl_logp: the test's refusal")
+        for site in rows:
+            if site.scores:
+                with pytest.raises(RuntimeError, match=rf"the test's refusal .*verl's {site.name}\)"):
+                    _site_binding(site)(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long))
+            else:
+                assert _site_binding(site) is stock[site.name], site.name
+        with pytest.raises(RuntimeError, match="the test's refusal"):
+            engine.compute_entropy_from_logits(torch.zeros(2, 3))
+    finally:
+        adapter.revert()
+    assert {site.name: _site_binding(site) for site in rows} == stock
+    assert engine.compute_entropy_from_logits is tf.entropy_from_logits

@@ -27,6 +27,8 @@ from rl_logp.integrations.verl_step import StrictModeError
 
 VOCAB, HIDDEN, TOPK = 1031, 24, 4
 LENGTHS = [9, 5, 12, 7]
+VERL_SCALE = fsdp_engine._scale_logits_by_temperature  # verl's own (the import of verl patched nothing)
+assert VERL_SCALE.__module__ == fsdp_engine.__name__, "RL_LOGP_BACKEND is set: run the tests without it"
 
 
 def _engine(checkpointing: bool = False):
@@ -205,19 +207,24 @@ def test_in_place_backward_writes_into_the_logits_only_when_rl_logp_alone_reads_
 @pytest.mark.parametrize("chunked_topk", [True, False], ids=["use_chunked_topk", "log_softmax_topk"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
-def test_distillation_top_k_with_logprobs_backward_works_and_matches(patched, chunked_topk, dtype, temperature):
-    """verl's top-k distillation reads the same scaled logits as logp (fp32 ones: its chunked path's
-    `.float()` is then the tensor itself, saved by logsumexp). The adapter scores them out of place, so the
-    backward runs, and gives the gradient of the same graph built with rl-logp out of place."""
+def test_distillation_top_k_is_a_bypassed_step_fed_by_verl_s_own_temperature_step(
+    patched, chunked_topk, dtype, temperature
+):
+    """verl's top-k distillation processor reads the scaled logits, so the step is bypassed: verl's own
+    temperature step (`x / bf16(T)` for bf16 logits) feeds both it and rl-logp's logp, scored out of place
+    (the chunked top-k's logsumexp saves the fp32 logits), so the backward runs. The distillation losses
+    are verl's own, bit for bit; logp and the gradient are those of the same graph built with verl's
+    unpatched temperature step and rl-logp out of place."""
     step = Step(seed=3, dtype=dtype)
     got, grad = _run(step, temperature, distill=True, entropy=False, chunked_topk=chunked_topk)
+    adapter.revert()
+    stock, _ = _run(step, temperature, distill=True, entropy=False, chunked_topk=chunked_topk, backward=False)
     hidden = step.hidden.clone().requires_grad_(True)
-    z = hidden @ step.weight
-    if temperature != 1.0:
-        z = z.to(torch.float32) / torch.full((step.n, 1), temperature)
+    z = VERL_SCALE(hidden @ step.weight, torch.full((step.n, 1), temperature), is_unit_temperature=temperature == 1.0)
     logp = rl_logp.logprobs(z, step.labels)
     distilled = _distillation_processor(chunked_topk)(student_logits=z.unsqueeze(0), data=step.micro_batch())
     (logp.sum() + distilled["distillation_losses"].sum()).backward()
+    assert mismatches(got["distillation_losses"], stock["distillation_losses"]) == 0
     assert mismatches(got["log_probs"], logp.detach()) == 0
     assert mismatches(grad, hidden.grad) == 0
 
