@@ -5,9 +5,11 @@ vLLM adapters.
   (the vLLM adapter's use).
 - `replace_in_modules(original, replacement, prefixes)`: the same, limited to modules whose name is one of
   `prefixes` or lies under one (the verl adapter: verl's and Megatron's modules, never a user's).
-- `set_attr(owner, name, value)`: one attribute of a class or an instance (an engine that captured a
-  function when it was built); revert puts back the very object, or removes the attribute if `owner`
-  did not hold one itself.
+- `set_attr(owner, name, value, restore=...)`: one attribute of a class or an instance (an engine that
+  captured a function when it was built); revert puts back the very object (or `restore` where the
+  caller says what was there is itself a product of the patch), or removes the attribute if `owner` did
+  not hold one itself.
+- `original_of(obj)`: the original a recorded replacement stands for, or None.
 - `revert()`: undo in reverse order, then point any module under the recorded prefixes that picked up a
   replacement later (a `from x import f` after the patch) back at the original.
 """
@@ -20,6 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 _MISSING = object()
+KEEP = _MISSING  # `set_attr(..., restore=KEEP)`: revert puts back what the owner held
 
 
 def _module_matches(name: str, prefixes: tuple[str, ...]) -> bool:
@@ -53,11 +56,17 @@ class PatchSet:
         modules = [m for name, m in list(sys.modules.items()) if _module_matches(name, prefixes)]
         return self._replace(original, replacement, modules)
 
-    def set_attr(self, owner: object, name: str, value: object) -> None:
-        """Set `owner.name = value`, remembering what `owner` itself held (or that it held nothing)."""
+    def set_attr(self, owner: object, name: str, value: object, restore: object = KEEP) -> None:
+        """Set `owner.name = value`, remembering what `owner` itself held (or that it held nothing), or
+        `restore` as what revert puts back."""
         own = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
         setattr(owner, name, value)
-        self._patched.append((_owner_ref(owner), name, own))
+        self._patched.append((_owner_ref(owner), name, own if restore is KEEP else restore))
+
+    def original_of(self, obj: object) -> object | None:
+        """The original that `obj` replaced, when `obj` is one of this set's replacements; else None."""
+        pair = self._replacements.get(id(obj))
+        return pair[1] if pair is not None and pair[0] is obj else None
 
     def holds(self, owner: object, name: str) -> bool:
         """Whether this set replaced `owner.name` (and has not reverted it)."""

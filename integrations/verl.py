@@ -31,7 +31,7 @@ import torch
 from rl_logp import LogpConfig, resolve_backend, resolve_config
 
 from . import verl_functions as fn
-from .patching import PatchSet
+from .patching import KEEP, PatchSet
 from .verl_megatron import wrap_lm_head_logits_processor
 from .verl_metrics import wrap_calculate_debug_metrics
 from .verl_step import FLAG_BYPASSES, Auditor, wrap_prepare_model_outputs
@@ -274,7 +274,7 @@ def _make_adopt(entropy: Callable, auditor: Auditor) -> Callable[[Any], None]:
         attr = ENGINE_SITE.attr
         if attr in vars(engine):
             try:
-                _patches.set_attr(engine, attr, entropy)
+                _patches.set_attr(engine, attr, entropy, _verl_built(vars(engine)[attr]))
             except (AttributeError, TypeError) as err:
                 _report.not_patched[f"{name}.{attr} at {id(engine):#x}"] = f"cannot set it: {err}"
                 auditor.bypass(f"{name}.{attr}", f"the engine refused the patch ({err})",
@@ -283,6 +283,16 @@ def _make_adopt(entropy: Callable, auditor: Auditor) -> Callable[[Any], None]:
         _report.engines += 1
 
     return adopt
+
+
+def _verl_built(captured: Callable) -> Any:
+    """What an engine built while verl was patched would hold unpatched: it captured (a `torch.compile` of)
+    rl-logp's replacement, so revert gives it (a `torch.compile` of) verl's own function instead."""
+    inner = getattr(captured, "_torchdynamo_orig_callable", captured)
+    verl_own = _patches.original_of(inner)
+    if verl_own is None:
+        return KEEP
+    return verl_own if inner is captured else torch.compile(verl_own, dynamic=True)
 
 
 def _wrap_registry_new(original: Callable, adopt: Callable[[Any], None]) -> Callable:

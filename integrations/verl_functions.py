@@ -25,8 +25,6 @@ from rl_logp import LogpConfig
 
 from .verl_step import current_plan
 
-GroupGetter = Callable[[], dist.ProcessGroup]
-
 
 def make_logprobs_from_logits(config: LogpConfig) -> Callable:
     """`logprobs_from_logits(logits, labels, inplace_backward=True)`."""
@@ -129,21 +127,21 @@ def megatron_tp_group() -> dist.ProcessGroup:
     return mpu.get_tensor_model_parallel_group()
 
 
-def make_vocab_parallel_log_probs_from_logits(config: LogpConfig, group_getter: GroupGetter = megatron_tp_group):
+def make_vocab_parallel_log_probs_from_logits(config: LogpConfig) -> Callable:
     """`vocab_parallel_log_probs_from_logits(logits, labels)` on Megatron's TP group."""
 
     def vocab_parallel_log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return rl_logp.logprobs(logits, labels, config=config, tp_group=group_getter())
+        return rl_logp.logprobs(logits, labels, config=config, tp_group=megatron_tp_group())
 
     return vocab_parallel_log_probs_from_logits
 
 
-def make_vocab_parallel_entropy(config: LogpConfig, group_getter: GroupGetter = megatron_tp_group):
+def make_vocab_parallel_entropy(config: LogpConfig) -> Callable:
     """`vocab_parallel_entropy(logits)` and `vocab_parallel_entropy_with_chunking(logits, chunk_size)`:
     the vocab-parallel entropy of the contract (all-reduce MAX, SUM of the int64 S and E)."""
 
     def vocab_parallel_entropy(vocab_parallel_logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
-        return rl_logp.entropy(vocab_parallel_logits, config=config, tp_group=group_getter())
+        return rl_logp.entropy(vocab_parallel_logits, config=config, tp_group=megatron_tp_group())
 
     return vocab_parallel_entropy
 

@@ -144,7 +144,9 @@ def test_apply_reaches_engines_built_before_it_and_through_the_registry_after_it
     finally:
         adapter.revert()
     assert early.compute_entropy_from_logits is compiled
-    assert "compute_entropy_from_logits" in vars(late)
+    # built while patched, it had captured rl-logp's function: revert gives it verl's, compiled as verl does
+    restored = vars(late)["compute_entropy_from_logits"]
+    assert getattr(restored, "_torchdynamo_orig_callable", None) is tf.entropy_from_logits
 
 
 def test_an_engine_that_refuses_the_patch_is_reported_and_fails_strict_mode():
