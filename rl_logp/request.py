@@ -82,4 +82,6 @@ def prepare_inputs(logits: object, labels: object | None, temperature: float | t
             y = y.reshape(n)
         if y.dtype != torch.int64:
             y = y.to(torch.int64)
+        if not y.is_contiguous():  # a strided column (vLLM's ids[:, 0]): the kernels read labels densely
+            y = y.contiguous()
     return Inputs(x2, y, check_temperature(temperature, x, n), lead_shape)

@@ -227,6 +227,23 @@ def test_ignored_and_out_of_range_rows_give_zero_and_zero_grad(device):
     assert logp[4] < 0 and grad[4].abs().sum() > 0
 
 
+@pytest.mark.parametrize("backend", ["chunked", pytest.param("fused", marks=pytest.mark.skipif(
+    not (HAS_CUDA or INTERPRET), reason="the fused kernel cannot run here"))])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=str)
+def test_strided_label_columns_give_the_bits_of_contiguous_labels(backend, dtype):
+    """A label column of a wider id matrix (vLLM's `ids[:, 0]` with top-n logprobs) is a strided view."""
+    device = "cuda" if backend == "fused" and HAS_CUDA else "cpu"
+    logits = model_like_logits(6, 1031, torch.bfloat16, device, seed=8)
+    ids = torch.randint(0, 1031, (6, 21), device=device).to(dtype)
+    column = ids[:, 0]
+    assert not column.is_contiguous()
+    for temperature in (None, 0.7):
+        strided = logp_and_grad(logits, column, backend=backend, temperature=temperature)
+        dense = logp_and_grad(logits, column.contiguous(), backend=backend, temperature=temperature)
+        for a, b in zip(strided, dense, strict=True):
+            assert mismatches(a, b) == 0
+
+
 @pytest.mark.parametrize("device", FUSED_DEVICES)
 def test_masked_tails_and_fully_masked_rows(device):
     vocab = 500
