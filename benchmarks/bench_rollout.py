@@ -1,54 +1,78 @@
-"""vLLM's own sampler code per decode step, with and without the rl-logp patch, on one GPU.
+"""vLLM's own sampler code per decode step, with and without the rl-logp patch, and the top-k / top-p
+kept set alone.
 
 Whatever `import vllm` finds is measured (the device bundle carries vLLM's Python sources only, no
 compiled `vllm._C`: `PYTHONPATH=/tmp/vllm-<version>`, see benchmarks/device_run.sh), so the script runs
-once per vLLM version:
+once per vLLM version. Paths (`--paths`):
 - `v1_sampler` (vLLM 0.2x): `vllm.v1.sample.sampler.Sampler.forward` with logprobs requested
-  (`max_num_logprobs` 0 and 20) in `raw_logprobs` and `processed_logprobs` modes; one extra setting
-  samples with top-k 50 / top-p 0.9 (processed mode, the contract's kept set against vLLM's kernel).
-- `v2_topk` (the V2 GPU worker, 0.24 and 0.3x): `compute_topk_logprobs` / `compute_topk_scores` on the
-  raw logits, or (processed) on the fp32 copy the worker makes, divided by its `apply_temperature`.
-For batch 1, 8, 64, 256, 1024 x 151936, bf16 and fp32 logits, T 1.0 and 0.7, each step is timed patched
-and unpatched: CUDA time (events) and wall time (synchronised before and after, launches included),
-median of --reps. At batch 64 each step is also run under `torch.cuda.set_sync_debug_mode` ("warn":
-synchronisations counted; "error": whether it raised) and captured in a CUDA graph and replayed (the
-replay's bits against the eager step's; the sampled token is random, so its logprob is checked against
-`rl_logp.logprobs` of the token the replay drew). Prints a table of patched / unpatched CUDA time last;
-writes JSON (--out).
+  (`max_num_logprobs` 0 and 20) in `raw_logprobs` and `processed_logprobs` modes, and one
+  `processed_logprobs` setting sampling with top-k 50 / top-p 0.9.
+- `v2_worker` (the V2 GPU worker, 0.24 and 0.3x): `compute_topk_logprobs` / `compute_topk_scores` on the
+  raw logits, or (processed) on the fp32 copy the worker makes, divided by its `apply_temperature` and,
+  in the top-k 50 / top-p 0.9 setting, masked by `apply_top_k_top_p`.
+- `kept_set`: `vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p` alone, as every sampler calls it,
+  on fp32 logits divided by T = 0.7 (top-k 50 with top-p 0.9, top-k 50 alone, top-p 0.9 alone):
+  unpatched vLLM's own rule (its Triton kernel from 8 rows on, a sort below) against the patched one
+  (rl-logp's kept-set kernel on CUDA, `rl_logp.kernels.kept_set`).
+For batch 1, 8, 64, 256, 1024 x 151936, bf16 and fp32 logits, T 1.0 and 0.7, each step is timed
+unpatched and patched: CUDA time (events), wall time (synchronised before and after) and host time
+(until the step returns, not synchronised after), medians of --reps. Every row checks its outputs (the
+same check patched and unpatched; unpatched rows are the control: vLLM's own bits differ):
+`first_column_equals_rl_logp`, the sampled token's logprob (column 0) against `rl_logp.logprobs` of the
+token ids the step returned, with the patch's backend; for `kept_set` rows `kept_set_equals_contract`,
+the masked logits against the pure-torch contract (`rl_logp.sampling_mask.reference_thresholds`), and,
+patched, `kernel_equals_contract`, the kernel called directly. At --check-batch on CUDA each step also
+runs under `torch.cuda.set_sync_debug_mode` ("warn": synchronisations counted; "error": whether it
+raised) and is captured in a CUDA graph and replayed (the replay against the eager step and the check
+on the replay's outputs). The JSON (--out) is rewritten after every row, so a time limit loses nothing
+that ran; the table of patched / unpatched times is printed last.
 
     PYTHONPATH=/tmp/vllm-0.24.0 python benchmarks/bench_rollout.py --out /tmp/out/h200_rollout_0.24.0.json
     python benchmarks/bench_rollout.py --smoke --out /tmp/rollout_smoke.json      # CPU, tiny shapes
+
+--smoke runs on the CPU with tiny shapes, every path included: the V2 worker's and rl-logp's Triton
+kernels under Triton's interpreter (TRITON_INTERPRET=1; CUDA_VISIBLE_DEVICES="" makes vLLM accept Triton
+with no GPU driver), the patch with the `fused` backend so the check scores with the kernels it checks
+on a GPU, batches below 8 (vLLM's own top-k / top-p takes its sort path there; its Triton kernel asks
+for the GPU's SM count).
 """
 
 from __future__ import annotations
+
+import os
+import sys
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not carried to the device
 
 import argparse
 import dataclasses
 import importlib
 import json
-import os
 import platform
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable
-
-os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not carried to the device
 
 import torch
 import vllm
 
 import rl_logp
+from rl_logp.config import LogpConfig
 from rl_logp.integrations import vllm as adapter
-from rl_logp.sampling_mask import apply_top_k_top_p
+from rl_logp.sampling_mask import NEG_INF, apply_top_k_top_p, reference_thresholds
 
-Outputs = tuple[torch.Tensor, torch.Tensor]  # (token ids [B, 1 + n], logprobs [B, 1 + n])
+PATHS = ("v1_sampler", "v2_worker", "kept_set")
+CHECKS = ("first_column_equals_rl_logp", "kept_set_equals_contract", "kernel_equals_contract")
+Outputs = tuple[torch.Tensor, ...]  # (token ids [B, 1 + n], logprobs [B, 1 + n]) or (masked logits,)
 
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    path: str  # "v1_sampler" | "v2_topk"
+    path: str  # one of PATHS
     mode: str  # "raw_logprobs" | "processed_logprobs"
     num_logprobs: int
     dtype: str
@@ -58,27 +82,35 @@ class Setting:
 
     @property
     def name(self) -> str:
-        mask = f" k{self.top_k}/p{self.top_p}" if self.top_k or self.top_p else ""
+        mask = f" k{self.top_k or '-'}/p{self.top_p or '-'}" if self.top_k or self.top_p else ""
+        if self.path == "kept_set":
+            return f"kept_set fp32 T={self.temperature}{mask}"
         mode = self.mode.split("_")[0]
         return f"{self.path} {mode} n={self.num_logprobs} {self.dtype} T={self.temperature}{mask}"
 
 
 class Step:
-    """One decode step of `setting` on a fixed batch; `reset()` restores the inputs vLLM's steps modify."""
+    """One decode step of `setting` on a fixed batch; `reset()` restores the inputs vLLM's steps modify.
+    Built inside the patch scope when patched (V1's `TopKTopPSampler` binds its forward when built)."""
 
-    def __init__(self, setting: Setting, batch: int, vocab: int, device: torch.device, seed: int) -> None:
-        self.setting = setting
-        gen = torch.Generator(device=device).manual_seed(seed)
-        dtype = getattr(torch, setting.dtype)
-        self.pristine = (torch.randn(batch, vocab, device=device, generator=gen) * 2.5 - 3).to(dtype)
+    def __init__(self, setting: Setting, batch: int, vocab: int, device: torch.device, backend: str,
+                 launch: dict | None = None) -> None:
+        self.setting, self.backend, self.launch = setting, backend, launch
+        gen = torch.Generator(device=device).manual_seed(batch)
+        logits = torch.randn(batch, vocab, device=device, generator=gen) * 2.5 - 3
+        if setting.path == "kept_set":
+            logits = logits.to(torch.bfloat16).float() / torch.tensor(setting.temperature, device=device)
+        self.pristine = logits.to(getattr(torch, setting.dtype))
         self.logits = self.pristine.clone()
-        self.sampled = torch.randint(0, vocab, (batch,), device=device, generator=gen)
         self.temperature = torch.full((batch,), setting.temperature, device=device)
         self.rows = torch.arange(batch, device=device, dtype=torch.int32)
         k, p = setting.top_k, setting.top_p
         self.top_k = None if k is None else torch.full((batch,), k, dtype=torch.int32, device=device)
         self.top_p = None if p is None else torch.full((batch,), p, device=device)
-        self.run = self._v1() if setting.path == "v1_sampler" else self._v2()
+        self.sampled = torch.randint(0, vocab, (batch,), device=device, generator=gen)
+        if setting.path != "kept_set" and setting.mode == "processed_logprobs" and (k or p):  # a drawable token
+            self.sampled = torch.multinomial(self.scored().softmax(dim=-1), 1, generator=gen).squeeze(1)
+        self.run = {"v1_sampler": self._v1, "v2_worker": self._v2, "kept_set": self._kept_set}[setting.path]()
 
     def reset(self) -> None:
         self.logits.copy_(self.pristine)
@@ -87,7 +119,6 @@ class Step:
         return self.run()
 
     def _v1(self) -> Callable[[], Outputs]:
-        """Built inside the patch scope when patched: `TopKTopPSampler` binds its forward when constructed."""
         from vllm.v1.sample.logits_processor import LogitsProcessors
         from vllm.v1.sample.metadata import SamplingMetadata
         from vllm.v1.sample.sampler import Sampler
@@ -113,9 +144,11 @@ class Step:
         """The worker's own calls; the functions are looked up when called, so a patch applies to them."""
         logprob = importlib.import_module(adapter.V2_GPU_LOGPROB)
         gumbel = importlib.import_module(adapter.V2_GPU_TEMPERATURE)
+        topk_topp = importlib.import_module(adapter.V1_TOPK_TOPP)
         topk = next(name for name in adapter.V2_TOPK_NAMES if hasattr(logprob, name))
         processed = self.setting.mode == "processed_logprobs"
         divide = self.setting.temperature != 1.0  # the worker skips the kernel when every T is 0 or 1
+        masks = self.top_k is not None or self.top_p is not None
 
         def run() -> Outputs:
             x = self.logits
@@ -123,20 +156,79 @@ class Step:
                 x = torch.empty_like(x, dtype=torch.float32).copy_(x)
                 if divide:
                     gumbel.apply_temperature(x, self.rows, self.temperature)
+                if masks:
+                    x = topk_topp.apply_top_k_top_p(x, self.top_k, self.top_p)
             out = getattr(logprob, topk)(x, self.setting.num_logprobs, self.sampled)
             return out.logprob_token_ids, out.logprobs
 
         return run
 
+    def _kept_set(self) -> Callable[[], Outputs]:
+        """vLLM's function, or with `launch` the kept-set kernel called directly with those parameters."""
+        topk_topp = importlib.import_module(adapter.V1_TOPK_TOPP)
+        if self.launch is None:
+            return lambda: (topk_topp.apply_top_k_top_p(self.logits, self.top_k, self.top_p),)
+        from rl_logp.kernels.kept_set import kept_set
+
+        threshold = torch.empty(self.logits.shape[0], device=self.logits.device)
+        bits = LogpConfig().fixed_point_bits
+
+        def run() -> Outputs:
+            kept_set(self.logits, self.top_k, self.top_p, bits, threshold, write=True, **self.launch)
+            return (self.logits,)
+
+        return run
+
+    def scored(self) -> torch.Tensor:
+        """The logits the trainer scores for this setting (the contract's kept set, with top-k / top-p)."""
+        s = self.setting
+        if s.top_k or s.top_p:
+            t = None if s.path == "kept_set" else s.temperature
+            return apply_top_k_top_p(self.pristine, temperature=t, top_k=self.top_k, top_p=self.top_p)
+        return self.pristine
+
+    def check(self, outputs: Outputs) -> dict:
+        """The step's outputs against rl-logp's (see the module docstring)."""
+        if self.setting.path == "kept_set":
+            return {"kept_set_equals_contract": same_bits(outputs[0], self.contract_mask())}
+        ids, logprobs = outputs
+        return {"first_column_equals_rl_logp": first_column_matches(self, ids, logprobs)}
+
+    def contract_mask(self) -> torch.Tensor:
+        z = self.pristine
+        threshold = reference_thresholds(z, self.top_k, self.top_p, LogpConfig().fixed_point_bits, 2**28)
+        return z.masked_fill(z < threshold.unsqueeze(1), NEG_INF)
+
     def expected_first_column(self, tokens: torch.Tensor) -> torch.Tensor:
         """What the patched step's sampled-token logprob must be: the trainer's call on the same logits."""
         s = self.setting
         if s.mode == "raw_logprobs":
-            return rl_logp.logprobs(self.pristine, tokens)
+            return rl_logp.logprobs(self.pristine, tokens, backend=self.backend)
         if s.top_k or s.top_p:
-            masked = apply_top_k_top_p(self.pristine, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
-            return rl_logp.logprobs(masked, tokens)
-        return rl_logp.logprobs(self.pristine, tokens, temperature=s.temperature)
+            return rl_logp.logprobs(self.scored(), tokens, backend=self.backend)
+        return rl_logp.logprobs(self.pristine, tokens, temperature=s.temperature, backend=self.backend)
+
+
+def first_column_matches(step: Step, ids: torch.Tensor, logprobs: torch.Tensor) -> bool:
+    """Whether column 0 of the step's logprobs has the bits `rl_logp.logprobs` gives for column 0 of its
+    token ids. The ids are copied to a contiguous int64 tensor first: with top-n logprobs (n > 0) column 0
+    is a strided view of vLLM's [B, 1 + n] matrix (int64 in the V2 worker), which rl-logp's kernels read
+    as if it were contiguous (the earlier check passed the view and reported V2 n > 0 wrong)."""
+    tokens = ids[:, 0].to(torch.int64, copy=True)
+    return same_bits(logprobs[:, 0], step.expected_first_column(tokens))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values and dtypes; fp32 compared by bit pattern (NaN == NaN, -0.0 != +0.0)."""
+    def exact(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(torch.int32) if t.dtype == torch.float32 else t
+
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(exact(a), exact(b))
+
+
+def passed(row: dict) -> bool:
+    """Whether every check the row holds passed."""
+    return all(row[key] for key in CHECKS if key in row)
 
 
 def sync(device: torch.device) -> None:
@@ -144,28 +236,31 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def median_times(step: Step, reps: int, device: torch.device) -> tuple[float | None, float]:
-    """(median CUDA ms or None on the CPU, median wall ms); the inputs are restored outside the timings."""
-    cuda_ms, wall_ms = [], []
-    for i in range(reps + 3):
-        step.reset()
-        sync(device)
+def median_times(step: Step, reps: int, warmup: int, device: torch.device) -> dict:
+    """Median CUDA ms (None on the CPU), wall ms and host ms; the inputs are restored outside the timings."""
+    cuda_ms, wall_ms, host_ms = [], [], []
+    for i in range(reps + warmup):
         if device.type == "cuda":
+            step.reset()
+            torch.cuda.synchronize()
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             step()
             stop.record()
             torch.cuda.synchronize()
-            if i >= 3:
+            if i >= warmup:
                 cuda_ms.append(start.elapsed_time(stop))
         step.reset()
         sync(device)
         begin = time.perf_counter()
         step()
+        returned = time.perf_counter()
         sync(device)
-        if i >= 3:
+        if i >= warmup:
             wall_ms.append((time.perf_counter() - begin) * 1e3)
-    return (statistics.median(cuda_ms) if cuda_ms else None), statistics.median(wall_ms)
+            host_ms.append((returned - begin) * 1e3)
+    median = statistics.median
+    return {"cuda_ms": median(cuda_ms) if cuda_ms else None, "wall_ms": median(wall_ms), "host_ms": median(host_ms)}
 
 
 def host_syncs(step: Step) -> dict:
@@ -194,10 +289,11 @@ def host_syncs(step: Step) -> dict:
     return {"syncs": count, "error_mode_raised": raised}
 
 
-def graph_replay(step: Step, patched: bool) -> dict:
-    """Capture the step in a CUDA graph, replay it on restored inputs, compare with an eager step."""
+def graph_replay(step: Step) -> dict:
+    """Capture the step in a CUDA graph, replay it on restored inputs, compare with an eager step, and
+    run the row's check on the replay's outputs."""
     step.reset()
-    eager_ids, eager_lp = (t.clone() for t in step())
+    eager = [t.clone() for t in step()]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -209,93 +305,131 @@ def graph_replay(step: Step, patched: bool) -> dict:
     step.reset()
     try:
         with torch.cuda.graph(graph):
-            ids, lp = step()
+            captured = step()
     except Exception as err:  # capture is refused by whatever the step does (a sync, a CPU tensor...)
         torch.cuda.synchronize()
         return {"capturable": False, "capture_error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
     step.reset()
     graph.replay()
     torch.cuda.synchronize()
-    fixed = slice(1, None)  # the top-k columns; column 0 is the (random) sampled token in V1
-    first = slice(0, None) if step.setting.path == "v2_topk" else fixed
-    same = torch.equal(ids[:, first], eager_ids[:, first]) and _same_bits(lp[:, first], eager_lp[:, first])
-    result = {"capturable": True, "replay_same_bits_as_eager": same}
-    if patched:
-        result["replay_first_column_equals_rl_logp"] = _same_bits(lp[:, 0], step.expected_first_column(ids[:, 0].long()))
-    return result
+    columns = slice(1, None) if step.setting.path == "v1_sampler" else slice(None)  # V1 draws column 0 at random
+    same = all(same_bits(a[:, columns], b[:, columns]) for a, b in zip(captured, eager, strict=True))
+    return {"capturable": True, "replay_same_bits_as_eager": same,
+            **{f"replay_{k}": v for k, v in step.check(captured).items()}}
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+def kernel_matches_contract(step: Step) -> bool:
+    """The kept-set kernel called directly (on the CPU: under Triton's interpreter) against the contract."""
+    from rl_logp.kernels.kept_set import kept_set
+
+    z = step.pristine.clone()
+    kept_set(z, step.top_k, step.top_p, LogpConfig().fixed_point_bits,
+             torch.empty(z.shape[0], device=z.device), write=True)
+    return same_bits(z, step.contract_mask())
 
 
-def settings(paths: list[str]) -> list[Setting]:
+def settings(paths: list[str], dtypes: list[str]) -> list[Setting]:
     found = [
         Setting(path, mode, n, dtype, t)
-        for path in paths
+        for path in paths if path != "kept_set"
         for mode in ("raw_logprobs", "processed_logprobs")
         for n in (0, 20)
-        for dtype in ("bfloat16", "float32")
+        for dtype in dtypes
         for t in (1.0, 0.7)
     ]
-    if "v1_sampler" in paths:
-        found.append(Setting("v1_sampler", "processed_logprobs", 0, "bfloat16", 0.7, top_k=50, top_p=0.9))
+    found += [Setting(path, "processed_logprobs", 0, "bfloat16", 0.7, top_k=50, top_p=0.9)
+              for path in paths if path != "kept_set"]
+    if "kept_set" in paths:
+        found += [Setting("kept_set", "processed_logprobs", 0, "float32", 0.7, top_k=k, top_p=p)
+                  for k, p in ((50, 0.9), (50, None), (None, 0.9))]
     return found
 
 
-def available_paths(device: torch.device) -> tuple[list[str], dict[str, str]]:
+def available_paths(requested: list[str]) -> tuple[list[str], dict[str, str]]:
     paths, missing = [], {}
-    if adapter.try_import(adapter.V1_SAMPLER) is not None:
-        paths.append("v1_sampler")
-    else:
-        missing["v1_sampler"] = f"vllm {vllm.__version__} has no V1 sampler"
-    if device.type != "cuda":
-        missing["v2_topk"] = "the V2 GPU worker's logprob functions are Triton kernels: CUDA only"
-    elif adapter.try_import(adapter.V2_GPU_LOGPROB) is None:
-        missing["v2_topk"] = f"vllm {vllm.__version__} has no V2 GPU worker"
-    else:
-        paths.append("v2_topk")
+    for path in requested:
+        module = {"v1_sampler": adapter.V1_SAMPLER, "v2_worker": adapter.V2_GPU_LOGPROB,
+                  "kept_set": adapter.V1_TOPK_TOPP}[path]
+        if adapter.try_import(module) is None:
+            missing[path] = f"vllm {vllm.__version__} has no {module}"
+        else:
+            paths.append(path)
     return paths, missing
 
 
-def measure(setting: Setting, batch: int, args, device: torch.device, patched: bool, checks: bool) -> dict:
-    step = Step(setting, batch, args.vocab, device, seed=batch)
-    cuda_ms, wall_ms = median_times(step, args.reps, device)
-    row = {"setting": setting.name, **dataclasses.asdict(setting), "batch": batch, "vocab": args.vocab,
-           "patched": patched, "cuda_ms": cuda_ms, "wall_ms": wall_ms}
-    if checks:
+def measure(setting: Setting, batch: int, args, device: torch.device, patched: bool, launch: dict | None = None) -> dict:
+    step = Step(setting, batch, args.vocab, device, args.backend, launch)
+    name = setting.name if launch is None else f"{setting.name} kernel {json.dumps(launch, sort_keys=True)}"
+    row = {"setting": name, **dataclasses.asdict(setting), "batch": batch, "vocab": args.vocab, "patched": patched,
+           **({} if launch is None else {"launch": launch, "compared_to": setting.name}),
+           **median_times(step, args.reps, args.warmup, device)}
+    step.reset()
+    row.update(step.check(step()))
+    if patched and setting.path == "kept_set" and launch is None and rl_logp.fused_runs_on(device):
+        row["kernel_equals_contract"] = kernel_matches_contract(step)
+    if device.type == "cuda" and batch == args.check_batch:
         row["host_syncs"] = host_syncs(step)
-        row["cuda_graph"] = graph_replay(step, patched)
+        row["cuda_graph"] = graph_replay(step)
     return row
 
 
-def run(args, device: torch.device, paths: list[str]) -> list[dict]:
-    rows = []
-    for setting in settings(paths):
+class Report:
+    """The JSON report, rewritten (atomically) after every row."""
+
+    def __init__(self, path: str, header: dict) -> None:
+        self.path, self.data = path, {**header, "rows": []}
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._write()
+
+    def add(self, row: dict) -> None:
+        self.data["rows"].append(row)
+        self._write()
+
+    def _write(self) -> None:
+        partial = f"{self.path}.partial"
+        with open(partial, "w") as f:
+            json.dump(self.data, f, indent=1)
+        os.replace(partial, self.path)
+
+
+def run(args, device: torch.device, paths: list[str], report: Report) -> None:
+    for setting in settings(paths, args.dtypes):
         for batch in args.batches:
-            checks = device.type == "cuda" and batch == args.check_batch
-            rows.append(measure(setting, batch, args, device, False, checks))
+            unpatched = measure(setting, batch, args, device, False)
+            report.add(unpatched)
             with adapter.patched(backend=args.backend):
-                rows.append(measure(setting, batch, args, device, True, checks))
-            print(f"{setting.name:52s} B={batch:5d} unpatched {_ms(rows[-2])}  patched {_ms(rows[-1])}", flush=True)
-    return rows
+                patched = measure(setting, batch, args, device, True)
+            report.add(patched)
+            print(f"{setting.name:52s} B={batch:5d} unpatched {_ms(unpatched)}  patched {_ms(patched)}", flush=True)
+            for launch in args.kept_set_variants if setting.path == "kept_set" else []:
+                variant = measure(setting, batch, args, device, True, launch)
+                report.add(variant)
+                print(f"  kernel {json.dumps(launch):50s} B={batch:5d} {_ms(variant)}", flush=True)
 
 
 def _ms(row: dict) -> str:
     cuda = "" if row["cuda_ms"] is None else f"cuda {row['cuda_ms']:8.3f} ms "
-    return f"{cuda}wall {row['wall_ms']:8.3f} ms"
+    return f"{cuda}wall {row['wall_ms']:8.3f} ms host {row['host_ms']:7.3f} ms {'same' if passed(row) else 'DIFFERS'}"
 
 
 def print_table(rows: list[dict], batches: list[int]) -> None:
-    """Patched / unpatched time per setting and batch (CUDA time on a GPU, wall time on the CPU)."""
+    """Patched / unpatched time per setting and batch (CUDA time on a GPU, wall time on the CPU), then the
+    checks of the patched rows."""
     key = "cuda_ms" if rows and rows[0]["cuda_ms"] is not None else "wall_ms"
     by = {(r["setting"], r["batch"], r["patched"]): r for r in rows}
     print(f"\npatched / unpatched {key} per decode step (vllm {vllm.__version__})")
     print(f"{'setting':56s} " + " ".join(f"{'B=' + str(b):>8s}" for b in batches))
-    for name in dict.fromkeys(r["setting"] for r in rows):
-        pairs = [(by.get((name, b, True)), by.get((name, b, False))) for b in batches]
+    for name, base in dict.fromkeys((r["setting"], r.get("compared_to", r["setting"])) for r in rows):
+        pairs = [(by.get((name, b, True)), by.get((base, b, False))) for b in batches]
         print(f"{name:56s} " + " ".join(f"{p[key] / u[key]:8.2f}" if p and u else f"{'-':>8s}" for p, u in pairs))
-    checked = [(r, by[(r["setting"], r["batch"], False)]) for r in rows if "host_syncs" in r and r["patched"]]
+    patched = [r for r in rows if r["patched"]]
+    failed = [f"{r['setting']} B={r['batch']}" for r in patched if not passed(r)]
+    print(f"\npatched rows whose outputs are rl-logp's: {len(patched) - len(failed)}/{len(patched)}"
+          + (f"; differing: {', '.join(failed)}" if failed else ""))
+    controls = [r for r in rows if not r["patched"]]
+    print(f"unpatched rows (the control) whose outputs differ from rl-logp's: "
+          f"{sum(not passed(r) for r in controls)}/{len(controls)}")
+    checked = [(r, by[(r.get("compared_to", r["setting"]), r["batch"], False)]) for r in patched if "host_syncs" in r]
     for path in dict.fromkeys(r["path"] for r, _ in checked):
         pairs = [(p, u) for p, u in checked if p["path"] == path]
         added = max(p["host_syncs"]["syncs"] - u["host_syncs"]["syncs"] for p, u in pairs)
@@ -303,41 +437,46 @@ def print_table(rows: list[dict], batches: list[int]) -> None:
         replayed = sum(all(v for k, v in p["cuda_graph"].items() if k != "capture_error") for p, _ in pairs)
         stock = sum(bool(u["cuda_graph"].get("capturable")) for _, u in pairs)
         print(f"{path} patched, B={pairs[0][0]['batch']}: host syncs added (max) {added}; sync error mode raised in "
-              f"{raised}/{len(pairs)}; CUDA graph captured, replayed, same bits in {replayed}/{len(pairs)} "
-              f"(unpatched captured in {stock}/{len(pairs)})")
+              f"{raised}/{len(pairs)}; CUDA graph captured, replayed, same bits and checks passed in "
+              f"{replayed}/{len(pairs)} (unpatched captured in {stock}/{len(pairs)})")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256, 1024])
+    parser.add_argument("--dtypes", nargs="+", choices=["bfloat16", "float32"], default=["bfloat16", "float32"])
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--check-batch", type=int, default=64, help="batch size of the sync and CUDA-graph checks")
-    parser.add_argument("--backend", default="auto", help="rl-logp backend of the patch (auto: fused on CUDA)")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, eager (no torch.compile)")
+    parser.add_argument("--backend", default="auto", help="rl-logp backend of the patch and of the checks")
+    parser.add_argument("--kept-set-variants", type=json.loads, default=[],
+                        help="JSON list of launch parameters of rl_logp.kernels.kept_set.kept_set (e.g. "
+                             '\'[{"block": 2048}, {"warps": 4, "programs_per_sm": 4}]\'): each is timed on the '
+                             "kept_set settings beside vLLM's own rule")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (see above)")
     parser.add_argument("--out", default="benchmarks/results/rollout.json")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    torch.manual_seed(0)  # V1 draws its sampled tokens from the global generator
     if args.smoke:
-        args.batches, args.vocab, args.reps = [1, 8], 1031, 2
+        args.batches, args.vocab, args.reps, args.warmup, args.backend = [1, 4], 1031, 1, 1, "fused"
         torch.compiler.set_stance("force_eager")  # vLLM's compiled helpers take 10-20 s to compile on the CPU
-    paths, missing = available_paths(device)
+    paths, missing = available_paths(args.paths)
     for path, why in missing.items():
         print(f"{path}: not run ({why})", file=sys.stderr)
-    rows = run(args, device, paths)
-    report = {
+    report = Report(args.out, {
         "vllm": vllm.__version__,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "python": platform.python_version(),
         "command": " ".join(sys.argv),
+        "backend": args.backend,
         "not_run": missing,
-        "rows": rows,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print_table(rows, args.batches)
+    })
+    run(args, device, paths, report)
+    print_table(report.data["rows"], args.batches)
     print(f"\nreport written to {args.out}")
 
 

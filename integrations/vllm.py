@@ -2,8 +2,9 @@
 keeps the contract's kept set (`rl_logp.sampling_mask`).
 
 Patched, where the installed vLLM has them (probed, not assumed; 0.24.0 and 0.34.0 are tested):
-- Model Runner V1 (vLLM <= 0.2x): `vllm.v1.sample.sampler.Sampler.compute_logprobs` (full-vocab logprobs;
-  the sampled token, top-k and ranks of every `logprobs_mode` are gathered from it by vLLM's own code).
+- Model Runner V1 (vLLM <= 0.2x): `vllm.v1.sample.sampler.Sampler.compute_logprobs` (full-vocab logprobs,
+  written on CUDA by one Triton pass, `rl_logp.kernels.full_logprobs`; the sampled token, top-k and ranks
+  of every `logprobs_mode` are gathered from it by vLLM's own code).
 - V1 processed modes: `TopKTopPSampler.forward_native` / `forward_cpu` (they call log_softmax on the
   processed logits themselves). Samplers bind `forward` when constructed: apply before the engine starts
   (the `vllm.general_plugins` entry point does).
@@ -15,7 +16,8 @@ Patched, where the installed vLLM has them (probed, not assumed; 0.24.0 and 0.34
 - Model Runner V2, CPU worker (vLLM >= 0.3x): `vllm.v1.worker.cpu.logprob.compute_token_logprobs`.
 - Sampling (`sampling_mask=True`, the default): `vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p`
   (every caller: V1's `TopKTopPSampler`, its rejection sampler, the V2 GPU and CPU workers; it replaces
-  vLLM's Triton kernel and its sort-based PyTorch rule) and `flashinfer_sample` (V1's `forward_cuda`
+  vLLM's Triton kernel and its sort-based PyTorch rule; on CUDA rl-logp's kept-set kernel,
+  `rl_logp.kernels.kept_set`, masks in place) and `flashinfer_sample` (V1's `forward_cuda`
   and the V2 GPU worker sample with FlashInfer when no processed logprobs are asked for; the replacement
   masks with the contract and draws with exponential noise, vLLM's own native method).
 
@@ -69,13 +71,23 @@ def try_import(name: str):
         return None
 
 
+def full_vocab_logprobs(logits: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:
+    """A new fp32 [B, V] tensor `(fp32(x) - M) - L`: one Triton pass on CUDA (`rl_logp.kernels.full_logprobs`:
+    one read, one write), the same two subtractions as torch ops elsewhere (same bits)."""
+    if logits.is_cuda and logits.stride(1) == 1 and rl_logp.fused_runs_on(logits.device):
+        from rl_logp.kernels.full_logprobs import full_logprobs
+
+        return full_logprobs(logits, row_max.contiguous(), log_sum.contiguous())
+    out = logits.to(torch.float32, copy=True).sub_(row_max.unsqueeze(1))
+    return out.sub_(log_sum.unsqueeze(1))
+
+
 def make_compute_logprobs(config: LogpConfig):
     """Drop-in for V1 `Sampler.compute_logprobs(logits) -> fp32 [B, V]`."""
 
     def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
         row_max, log_sum = rl_logp.log_normalizer(logits, config=config)
-        out = logits.to(torch.float32, copy=True).sub_(row_max.unsqueeze(1))
-        return out.sub_(log_sum.unsqueeze(1))
+        return full_vocab_logprobs(logits, row_max, log_sum)
 
     return compute_logprobs
 

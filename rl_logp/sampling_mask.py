@@ -23,6 +23,11 @@ Every quantity is a pure function of the row's values (exact max, exact integer 
 comparisons), so the kept set does not depend on the batch, the row's position, the chunking or the
 column order. It does depend on the device's `exp` (as rl-logp's own sums do): compute it on the same
 device type on both sides.
+
+Two implementations of one rule: on CUDA (with Triton) the kernel `rl_logp.kernels.kept_set`, which
+finds the top-k value and the top-p cut from per-row histograms of the fixed-point terms without sorting
+the row; elsewhere `reference_thresholds`, pure torch (a sort per row block), the CPU path and the
+reference the kernel is tested against (same tokens, same bits).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any
 import torch
 
 from rl_logp.config import LogpConfig, resolve_config
+from rl_logp.engines import fused_runs_on
 
 NEG_INF = float("-inf")
 SORT_BYTES_PER_ELEMENT = 40
@@ -83,20 +89,46 @@ def mask_logits_(
     `top_k` / `top_p`: one value per row or None (vLLM's convention; k = V or p = 1 leave a row alone).
     No host synchronisation, fixed shapes: safe inside a CUDA graph.
     """
-    k = None if top_k is None else top_k.to(torch.int64)
-    p = None if top_p is None else top_p.to(torch.float32)
-    threshold = kept_thresholds(z, k, p, config.fixed_point_bits, config.chunk_bytes)
+    if _uses_kernel(z):
+        _kernel(z, top_k, top_p, config.fixed_point_bits, write=True)
+        return z
+    threshold = kept_thresholds(z, top_k, top_p, config.fixed_point_bits, config.chunk_bytes)
     return z.masked_fill_(z < threshold.unsqueeze(1), NEG_INF)
 
 
 def kept_thresholds(
     z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, bits: int, chunk_bytes: int
 ) -> torch.Tensor:
-    """Per row of the [n, V] fp32 `z`, the smallest kept value: the row keeps `z >= threshold`.
+    """Per row of the [n, V] fp32 `z`, the smallest kept value: the row keeps `z >= threshold` (-inf for
+    a row left alone). The Triton kernel on CUDA, else `reference_thresholds`."""
+    if _uses_kernel(z):
+        return _kernel(z, top_k, top_p, bits, write=False)
+    return reference_thresholds(z, top_k, top_p, bits, chunk_bytes)
 
-    The kept set is an upper set of z (top-k by value; q is monotone in z), so one threshold per row
-    describes it. Rows are processed in blocks of at most `chunk_bytes` of workspace.
-    """
+
+def _uses_kernel(z: torch.Tensor) -> bool:
+    return z.is_cuda and z.stride(1) == 1 and fused_runs_on(z.device)
+
+
+def _kernel(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, bits: int, *,
+            write: bool) -> torch.Tensor:
+    from rl_logp.kernels.kept_set import kept_set
+
+    threshold = torch.empty(z.shape[0], dtype=torch.float32, device=z.device)
+    k = None if top_k is None else top_k.contiguous()
+    p = None if top_p is None else top_p.to(torch.float32).contiguous()
+    kept_set(z, k, p, bits, threshold, write=write)
+    return threshold
+
+
+def reference_thresholds(
+    z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, bits: int, chunk_bytes: int
+) -> torch.Tensor:
+    """`kept_thresholds` in pure torch: the kept set is an upper set of z (top-k by value; q is monotone
+    in z), so one threshold per row describes it, read off each row sorted. Rows are processed in blocks
+    of at most `chunk_bytes` of workspace. A row left alone gets its smallest value or -inf."""
+    top_k = None if top_k is None else top_k.to(torch.int64)
+    top_p = None if top_p is None else top_p.to(torch.float32)
     n, vocab = z.shape
     out = torch.full((n,), NEG_INF, dtype=torch.float32, device=z.device)
     if n == 0 or (top_k is None and top_p is None):

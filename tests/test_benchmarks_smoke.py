@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -16,15 +18,51 @@ def _smoke(script: str, out: Path) -> tuple[dict, str]:
 
 
 def test_bench_rollout_smoke(tmp_path):
+    """Every path runs patched and unpatched, V1 and V2 with n = 0 and 20 top logprobs; every patched row's
+    outputs pass the benchmark's check (scored with the fused kernels under Triton's interpreter, the
+    path that reported V2 n > 0 wrong when the check passed vLLM's strided token column), and the
+    unpatched rows are the control: vLLM's own bits fail the same check on some rows."""
     report, stdout = _smoke("bench_rollout.py", tmp_path / "rollout.json")
     rows = report["rows"]
+    assert report["backend"] == "fused" and report["not_run"] == {}
+    assert all(r["wall_ms"] > 0 and r["host_ms"] > 0 for r in rows)
     settings = {r["setting"] for r in rows}
-    assert all(r["wall_ms"] > 0 for r in rows)
-    for setting in settings:  # every setting timed patched and unpatched, at every batch size
-        modes = {(r["patched"], r["batch"]) for r in rows if r["setting"] == setting}
-        assert {p for p, _ in modes} == {False, True}, setting
-    assert any("k50/p0.9" in s for s in settings)
-    assert "report written" in stdout
+    for setting in settings:  # every setting timed unpatched and patched, at every batch size
+        assert {(r["patched"], r["batch"]) for r in rows if r["setting"] == setting} == {
+            (patched, batch) for patched in (False, True) for batch in (1, 4)}, setting
+    for path in ("v1_sampler", "v2_worker"):
+        assert {r["num_logprobs"] for r in rows if r["path"] == path} == {0, 20}
+        assert any(r["path"] == path and r["top_k"] == 50 for r in rows)
+    assert {(r["top_k"], r["top_p"]) for r in rows if r["path"] == "kept_set"} == {(50, 0.9), (50, None), (None, 0.9)}
+    patched = [r for r in rows if r["patched"]]
+    for r in patched:
+        check = "kept_set_equals_contract" if r["path"] == "kept_set" else "first_column_equals_rl_logp"
+        assert r[check] is True, r
+        assert r["path"] != "kept_set" or r["kernel_equals_contract"] is True, r
+    control = [r for r in rows if not r["patched"] and r["path"] != "kept_set"]
+    assert any(not r["first_column_equals_rl_logp"] for r in control if r["path"] == "v1_sampler")
+    assert any(not r["first_column_equals_rl_logp"] for r in control if r["path"] == "v2_worker")
+    assert f"patched rows whose outputs are rl-logp's: {len(patched)}/{len(patched)}" in stdout
+    assert not list(tmp_path.glob("*.partial")) and "report written" in stdout
+
+
+def test_bench_rollout_check_fails_on_one_ulp():
+    """The benchmark's first-column check, called on a V1 step's real outputs: true as they are, false
+    when one sampled token's logprob is one ulp off."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_rollout
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    setting = bench_rollout.Setting("v1_sampler", "raw_logprobs", 20, "bfloat16", 1.0)
+    with bench_rollout.adapter.patched(backend="chunked"):
+        step = bench_rollout.Step(setting, 6, 1031, torch.device("cpu"), "chunked")
+        with torch.compiler.set_stance("force_eager"):
+            ids, logprobs = step()
+    assert bench_rollout.first_column_matches(step, ids, logprobs)
+    off = logprobs.clone()
+    off[3, 0] = torch.nextafter(off[3, 0], torch.tensor(0.0))
+    assert not bench_rollout.first_column_matches(step, ids, off)
 
 
 def test_bench_logp_smoke(tmp_path):

@@ -8,6 +8,7 @@ needs one runner layout and skips, naming it, on the other.
 
 import importlib
 import importlib.util
+import json
 
 import numpy as np
 import pytest
@@ -17,8 +18,8 @@ from helpers import bits, mismatches
 
 import rl_logp
 from rl_logp.check.cases import Sampling
-from rl_logp.check.rollout import VllmRollout
 from rl_logp.integrations import vllm as adapter
+from rl_logp.integrations.vllm_rollout import VllmRollout
 from rl_logp.sampling_mask import apply_top_k_top_p
 
 
@@ -335,6 +336,130 @@ def test_v2_gpu_apply_temperature_patch_is_ieee_division_and_keeps_0_and_1(patch
     assert torch.equal(x[1:3], logits[1:3])
 
 
+def _columns_differing(logprobs: torch.Tensor, ids: torch.Tensor, scored: torch.Tensor,
+                       temperature: torch.Tensor | None = None, backend: str = "chunked") -> int:
+    """Entries of a [B, 1 + n] logprob block whose bits are not `rl_logp.logprobs` of the same token ids
+    (given as a contiguous copy: a column of vLLM's token-id matrix is a strided view)."""
+    cols = ids.shape[1]
+    t = None if temperature is None else temperature.unsqueeze(1).expand(-1, cols)
+    want = rl_logp.logprobs(scored.unsqueeze(1).expand(-1, cols, -1), ids.to(torch.int64, copy=True),
+                            temperature=t, backend=backend)
+    return mismatches(logprobs, want)
+
+
+def _sampling_batch(batch: int, vocab: int, seed: int):
+    """bf16 logits, per-row T, top-k (int32) and top-p, the contract's kept set and a token drawn from it."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(batch, vocab, generator=gen) * 3).to(torch.bfloat16)
+    t = torch.tensor([0.7, 1.0, 1.3])[torch.arange(batch) % 3]
+    k, p = _top_k_top_p(batch, "top_k+top_p", gen)
+    masked = apply_top_k_top_p(logits, temperature=t, top_k=k, top_p=p)
+    sampled = torch.multinomial(masked.softmax(dim=-1), 1, generator=gen).squeeze(1)
+    return logits, t, k, p, masked, sampled
+
+
+@needs_v1
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs", "processed_logprobs+top_k+top_p"])
+def test_v1_sampler_top_20_logprobs_are_rl_logp_bits_in_every_column(patched, mode):
+    """Regression for n > 0 (the benchmark once reported column 0 wrong there): `Sampler.forward` with 20
+    top logprobs; the sampled token's and all 20 others' logprobs are the trainer's bits."""
+    from vllm.v1.sample.sampler import Sampler
+
+    logits, t, k, p, masked, _ = _sampling_batch(37, 1031, 4)
+    masks = mode.endswith("top_p")
+    metadata = _v1_metadata(37, 1.0, 20, top_k=k if masks else None, top_p=p if masks else None)
+    metadata.temperature.copy_(t)
+    out = Sampler(logprobs_mode=mode.split("+")[0]).forward(logits.clone(), metadata)
+    ids, logprobs = out.logprobs_tensors.logprob_token_ids, out.logprobs_tensors.logprobs
+    assert logprobs.shape == (37, 21) and torch.equal(ids[:, 0].long(), out.sampled_token_ids[:, 0].long())
+    if mode == "raw_logprobs":
+        assert _columns_differing(logprobs, ids, logits) == 0
+    elif masks:
+        assert _columns_differing(logprobs, ids, masked) == 0
+    else:
+        assert _columns_differing(logprobs, ids, logits, temperature=t) == 0
+
+
+@needs_cpu_worker
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs", "processed_logprobs+top_k+top_p"])
+def test_v2_cpu_worker_top_20_logprobs_are_rl_logp_bits_in_every_column(patched, mode):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.cpu.logprob import compute_topk_scores
+    from vllm.v1.worker.cpu.sampler import CPUSamplingStates
+
+    logits, t, k, p, masked, sampled = _sampling_batch(37, 1031, 5)
+    masks = mode.endswith("top_p")
+    x = logits
+    if mode != "raw_logprobs":
+        states = CPUSamplingStates(37, 1031, logits.device)
+        for row in range(37):
+            states.add_request(row, SamplingParams(temperature=float(t[row]), top_k=int(k[row]) if masks else 0,
+                                                   top_p=float(p[row]) if masks else 1.0, logprobs=20))
+        rows, rows_np = torch.arange(37), np.arange(37)
+        x = torch.empty_like(logits, dtype=torch.float32).copy_(logits)
+        states.apply_temperature(x, rows, rows_np)
+        x = states.apply_top_k_top_p(x, rows, rows_np)
+    out = compute_topk_scores(x, 20, sampled)
+    assert out.logprobs.shape == (37, 21) and torch.equal(out.logprob_token_ids[:, 0], sampled)
+    if mode == "raw_logprobs":
+        assert _columns_differing(out.logprobs, out.logprob_token_ids, logits) == 0
+    elif masks:
+        assert _columns_differing(out.logprobs, out.logprob_token_ids, masked) == 0
+    else:
+        assert _columns_differing(out.logprobs, out.logprob_token_ids, logits, temperature=t) == 0
+
+
+V2_GPU_WORKER_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+import test_vllm_adapter as t
+from rl_logp.integrations import vllm as adapter
+from vllm.v1.sample.ops import topk_topp_sampler
+from vllm.v1.worker.gpu.sample import gumbel, logprob
+
+device = {device!r}
+topk = next(getattr(logprob, name) for name in adapter.V2_TOPK_NAMES if hasattr(logprob, name))
+logits, temps, k, p, masked, sampled = (v.to(device) for v in t._sampling_batch(9, 1031, 6))
+differing = {{}}
+with adapter.patched(backend="fused"):
+    for mode in ("raw_logprobs", "processed_logprobs", "processed_logprobs+top_k+top_p"):
+        x = logits
+        if mode != "raw_logprobs":
+            x = torch.empty_like(logits, dtype=torch.float32).copy_(logits)
+            gumbel.apply_temperature(x, torch.arange(9, device=device, dtype=torch.int32), temps)
+        if mode.endswith("top_p"):
+            x = topk_topp_sampler.apply_top_k_top_p(x, k, p)
+        out = topk(x, 20, sampled)
+        scored, temperature = {{"raw_logprobs": (logits, None), "processed_logprobs": (logits, temps)}}.get(
+            mode, (masked, None))
+        differing[mode] = t._columns_differing(out.logprobs, out.logprob_token_ids, scored, temperature, "fused")
+print("DIFFERING", json.dumps(differing))
+"""
+
+
+def test_v2_gpu_worker_top_20_logprobs_are_rl_logp_bits_in_every_column(tmp_path):
+    """The V2 GPU worker's own Triton code (`compute_topk_logprobs` / `compute_topk_scores`, its top-k, its
+    ranks kernel) with 20 top logprobs, raw, after its `apply_temperature` and after `apply_top_k_top_p`
+    (both patched), scored with the fused kernels. Without a GPU it runs under Triton's interpreter in a
+    fresh interpreter: vLLM turns Triton off when no driver is active, unless CUDA_VISIBLE_DEVICES is
+    set (to "": no GPU)."""
+    import os
+    import subprocess
+    import sys
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
+    if device == "cpu":
+        env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    script = V2_GPU_WORKER_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), device=device)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("DIFFERING"))
+    assert json.loads(line.split(" ", 1)[1]) == {
+        "raw_logprobs": 0, "processed_logprobs": 0, "processed_logprobs+top_k+top_p": 0}
+
+
 @pytest.mark.parametrize("sampling_mask", [True, False])
 def test_apply_patches_every_runner_this_vllm_has_and_revert_restores_it(sampling_mask):
     from importlib import import_module
@@ -485,9 +610,7 @@ def test_cuda_v2_topk_logprobs_patched_equal_fused(dtype):
     finally:
         adapter.revert()
     assert torch.equal(bits(got.logprobs[:, 0]), bits(want))
-    for k in range(1, 6):
-        assert torch.equal(bits(got.logprobs[:, k]), bits(rl_logp.logprobs(logits, got.logprob_token_ids[:, k],
-                                                                         backend="fused")))
+    assert _columns_differing(got.logprobs, got.logprob_token_ids, logits, backend="fused") == 0
     assert torch.equal(got.selected_token_ranks, stock.selected_token_ranks)
     assert torch.equal(got.logprob_token_ids, stock.logprob_token_ids)
 
@@ -591,6 +714,4 @@ def test_cuda_v2_top_k_top_p_processed_equal_fused():
         x = topk_topp_sampler.apply_top_k_top_p(x, k, p)
         got = topk(x, 3, sampled)
     assert mismatches(x, masked) == 0
-    for col in range(4):
-        want = rl_logp.logprobs(masked, got.logprob_token_ids[:, col].long(), backend="fused")
-        assert mismatches(got.logprobs[:, col], want) == 0
+    assert _columns_differing(got.logprobs, got.logprob_token_ids, masked, backend="fused") == 0
