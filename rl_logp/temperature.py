@@ -38,7 +38,7 @@ class Temperature:
             return self.rows[rows]
         if self.scalar == 1.0:
             return None
-        return torch.tensor(self.scalar, dtype=torch.float32, device=device)
+        return torch.full((), self.scalar, dtype=torch.float32, device=device)  # a fill kernel: no host copy
 
     def bad_rows(self) -> torch.Tensor | None:
         """Rows whose (tensor) temperature is not finite and > 0; None for a validated float."""
