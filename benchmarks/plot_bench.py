@@ -25,6 +25,7 @@ def main(src: str, dst: str) -> None:
     providers = sorted({r["provider"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), sharey=True)
     width = 0.8 / len(providers)
+    targets = {"forward_ms": 2.0, "fwd_bwd_ms": 1.4}  # the kernel issue's targets over the floor
     for ax, key, title in zip(axes, ["forward_ms", "fwd_bwd_ms"], ["forward", "forward + backward"], strict=True):
         for i, provider in enumerate(providers):
             xs, ys = [], []
@@ -35,12 +36,12 @@ def main(src: str, dst: str) -> None:
                         ys.append(r[key] / r["floor"][key])
             ax.bar(xs, ys, width=width, label=provider)
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.axhline(1.1, color="grey", linestyle="--", linewidth=0.8)
+        ax.axhline(targets[key], color="grey", linestyle="--", linewidth=0.8)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(SUITES))], SUITES, rotation=20, fontsize=8)
         ax.set_yscale("log")
         ax.set_title(f"{title}: time / HBM floor, N={n} x V={rows[0]['vocab']} bf16")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{report['device']}, copy {report['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (dashed: 1.10x target)")
+    fig.suptitle(f"{report['device']}, copy {report['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (dashed: target, 2.0x forward, 1.4x both)")
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
 
