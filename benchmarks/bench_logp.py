@@ -47,6 +47,10 @@ import torch
 
 import rl_logp
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling modules, also under `python -P`
+import bench_verl_step
+from bench_report import Report
+
 Provider = Callable[..., object]  # (x, y, temperature) -> logp | entropy | (logp, entropy)
 
 
@@ -87,22 +91,6 @@ def median_ms(fn: Callable[[int], object], reps: int, device: torch.device, warm
     return statistics.median(times)
 
 
-class Report:
-    """The JSON report, rewritten after every row so a time limit never loses what ran."""
-
-    def __init__(self, path: str, header: dict) -> None:
-        self.path, self.header, self.rows = path, header, []
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-
-    def add(self, row: dict) -> None:
-        self.rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "floor"}), flush=True)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({**self.header, "results": self.rows}, f, indent=1)
-        os.replace(tmp, self.path)
-
-
 def _bf16(t: float | None):
     return None if t is None else torch.tensor(t, dtype=torch.bfloat16)
 
@@ -112,13 +100,7 @@ def _verl_functions():
     """verl 0.9.1's torch_functional module (its own logprobs_from_logits and entropy_from_logits), or the
     reason it is absent. Modules verl imports but these functions never call are stubbed where missing, as
     bench_verl_step.py does (the GPU image has no ray)."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("bench_verl_step", Path(__file__).with_name("bench_verl_step.py"))
-    step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(step)
-    step.stub_missing_modules()
+    bench_verl_step.stub_missing_modules()
     try:
         from verl.utils import torch_functional as verl_tf
     except ImportError as err:
@@ -479,7 +461,8 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth (read+write): {bandwidth / 1e12:.3f} TB/s on {device}", flush=True)
-    report = Report(args.out, {
+    report = Report(args.out, echo=lambda row: print(json.dumps({k: v for k, v in row.items() if k != "floor"}),
+                                                       flush=True), header={
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,

@@ -65,6 +65,9 @@ from rl_logp.config import LogpConfig
 from rl_logp.integrations import vllm as adapter
 from rl_logp.sampling_mask import NEG_INF, apply_top_k_top_p, reference_thresholds
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling modules, also under `python -P`
+from bench_report import Report
+
 PATHS = ("v1_sampler", "v2_worker", "kept_set")
 CHECKS = ("first_column_equals_rl_logp", "kept_set_equals_contract", "kernel_equals_contract")
 Outputs = tuple[torch.Tensor, ...]  # (token ids [B, 1 + n], logprobs [B, 1 + n]) or (masked logits,)
@@ -373,25 +376,6 @@ def measure(setting: Setting, batch: int, args, device: torch.device, patched: b
     return row
 
 
-class Report:
-    """The JSON report, rewritten (atomically) after every row."""
-
-    def __init__(self, path: str, header: dict) -> None:
-        self.path, self.data = path, {**header, "rows": []}
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._write()
-
-    def add(self, row: dict) -> None:
-        self.data["rows"].append(row)
-        self._write()
-
-    def _write(self) -> None:
-        partial = f"{self.path}.partial"
-        with open(partial, "w") as f:
-            json.dump(self.data, f, indent=1)
-        os.replace(partial, self.path)
-
-
 def run(args, device: torch.device, paths: list[str], report: Report) -> None:
     for setting in settings(paths, args.dtypes):
         for batch in args.batches:
@@ -466,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
     paths, missing = available_paths(args.paths)
     for path, why in missing.items():
         print(f"{path}: not run ({why})", file=sys.stderr)
-    report = Report(args.out, {
+    report = Report(args.out, key="rows", header={
         "vllm": vllm.__version__,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,

@@ -59,6 +59,9 @@ from collections.abc import Callable
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling modules, also under `python -P`
+from bench_report import Report
+
 STUBBABLE = ("ray", "datasets", "PIL", "pandas")
 
 
@@ -97,22 +100,6 @@ def stub_missing_modules() -> list[str]:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-class Report:
-    """The JSON report, rewritten after every row so a time limit never loses what ran."""
-
-    def __init__(self, path: str, header: dict) -> None:
-        self.path, self.header, self.rows = path, header, []
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-
-    def add(self, row: dict) -> None:
-        self.rows.append(row)
-        print(json.dumps(row), flush=True)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({**self.header, "results": self.rows}, f, indent=1)
-        os.replace(tmp, self.path)
 
 
 class StepBench:
@@ -505,7 +492,7 @@ def main() -> None:
     import verl
     import verl.utils.torch_functional as verl_f
 
-    report = Report(args.out, {
+    report = Report(args.out, echo=lambda row: print(json.dumps(row), flush=True), header={
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "verl": verl.__version__,
