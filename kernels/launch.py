@@ -101,12 +101,6 @@ def forward_launch(x, labels, temp_mode, temp_rows, t_scalar, max_in, outs, sums
     return (_programs(x, cfg),), args, options
 
 
-def _forward(*spec) -> None:
-    grid, args, options = forward_launch(*spec)
-    with on_device(args[0]):
-        row_stats_kernel[grid](*args, **options)
-
-
 def row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, temp_rows: torch.Tensor | None,
               t_scalar: float, bits: int, entropy: bool, out_max: torch.Tensor | None,
               out_log_sum: torch.Tensor | None, out_lse: torch.Tensor | None, out_logp: torch.Tensor | None,
@@ -114,29 +108,37 @@ def row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, temp
     """Whole rows of x [n, V]: write each output that is given (fp32 [n]): M, L, lse, logp of `labels`
     (int64 [n]; given with out_logp) and, with `entropy`, the entropy. `cfg.two_pass` needs out_max."""
     outs = (out_max, out_log_sum, out_lse, out_logp, out_ent)
-    if cfg.two_pass:
-        _forward(x, None, temp_mode, temp_rows, t_scalar, None, (out_max, None, None, None, None), (None, None),
-                 bits, False, MAX_SCAN.value, RESULT_MAX.value, cfg)
-        _forward(x, labels, temp_mode, temp_rows, t_scalar, out_max, outs, (None, None), bits, entropy,
-                 MAX_GIVEN.value, RESULT_ROW.value, cfg)
-        return
-    _forward(x, labels, temp_mode, temp_rows, t_scalar, None, outs, (None, None), bits, entropy, MAX_SCAN.value,
-             RESULT_ROW.value, cfg)
+    with on_device(x):
+        if cfg.two_pass:
+            grid, args, options = forward_launch(x, None, temp_mode, temp_rows, t_scalar, None,
+                                                 (out_max, None, None, None, None), (None, None), bits, False,
+                                                 MAX_SCAN.value, RESULT_MAX.value, cfg)
+            row_stats_kernel[grid](*args, **options)
+            grid, args, options = forward_launch(x, labels, temp_mode, temp_rows, t_scalar, out_max, outs,
+                                                 (None, None), bits, entropy, MAX_GIVEN.value, RESULT_ROW.value, cfg)
+        else:
+            grid, args, options = forward_launch(x, labels, temp_mode, temp_rows, t_scalar, None, outs, (None, None),
+                                                 bits, entropy, MAX_SCAN.value, RESULT_ROW.value, cfg)
+        row_stats_kernel[grid](*args, **options)
 
 
 def shard_max(x: torch.Tensor, temp_mode: int, temp_rows: torch.Tensor | None, t_scalar: float,
               out_max: torch.Tensor, cfg: LaunchConfig) -> None:
     """The row max of z over x's columns (fp32 [n], NaN for a NaN row or a bad row temperature)."""
-    _forward(x, None, temp_mode, temp_rows, t_scalar, None, (out_max, None, None, None, None), (None, None), 40,
-             False, MAX_SCAN.value, RESULT_MAX.value, cfg)
+    grid, args, options = forward_launch(x, None, temp_mode, temp_rows, t_scalar, None, (out_max, None, None, None, None),
+                                         (None, None), 40, False, MAX_SCAN.value, RESULT_MAX.value, cfg)
+    with on_device(x):
+        row_stats_kernel[grid](*args, **options)
 
 
 def shard_sums(x: torch.Tensor, temp_mode: int, temp_rows: torch.Tensor | None, t_scalar: float,
                row_max: torch.Tensor, bits: int, entropy: bool, out_s: torch.Tensor, out_e: torch.Tensor | None,
                cfg: LaunchConfig) -> None:
     """S (and with `entropy` E) of x's columns given the row max, int64 [n] each."""
-    _forward(x, None, temp_mode, temp_rows, t_scalar, row_max, (None,) * 5, (out_s, out_e), bits, entropy,
-             MAX_GIVEN.value, RESULT_SUMS.value, cfg)
+    grid, args, options = forward_launch(x, None, temp_mode, temp_rows, t_scalar, row_max, (None,) * 5, (out_s, out_e),
+                                         bits, entropy, MAX_GIVEN.value, RESULT_SUMS.value, cfg)
+    with on_device(x):
+        row_stats_kernel[grid](*args, **options)
 
 
 def grad(x: torch.Tensor, out: torch.Tensor, labels: torch.Tensor | None, label_offset: int, vocab_total: int,

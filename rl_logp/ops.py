@@ -60,16 +60,12 @@ def _request(x, labels, temp_rows, t_scalar, entropy, engine, bits, chunk_bytes,
                        chunk_bytes, torch.Size([x.shape[0]]), inplace_backward, shard)
 
 
-def _row_stats_body(req: LogpRequest) -> RowStats:
-    if req.shard is not None:
-        return vocab_parallel_row_stats(req)
-    return make_engine(req.engine, req.chunk_bytes).row_stats(req)
-
-
 def row_stats(req: LogpRequest) -> RowStats:
     """The statistics of a request, through `rl_logp::row_stats` when autograd or the compiler needs the op."""
     if not (torch.is_grad_enabled() and req.logits.requires_grad) and not torch.compiler.is_compiling():
-        return _row_stats_body(req)
+        if req.shard is not None:
+            return vocab_parallel_row_stats(req)
+        return make_engine(req.engine, req.chunk_bytes).row_stats(req)
     logp, ent, lse, row_max, log_sum = torch.ops.rl_logp.row_stats(*_flatten(req))
     return RowStats(row_max=row_max, log_sum=log_sum, lse=lse, logp=logp if req.labels is not None else None,
                     entropy=ent if req.entropy else None)
@@ -87,7 +83,9 @@ def _stats_outputs(stats: RowStats, x: torch.Tensor) -> tuple[torch.Tensor, ...]
                          schema=f"(Tensor x, {REQUEST_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _row_stats_op(*args):
     req = _request(*args)
-    return _stats_outputs(_row_stats_body(req), req.logits)
+    if req.shard is not None:
+        return _stats_outputs(vocab_parallel_row_stats(req), req.logits)
+    return _stats_outputs(make_engine(req.engine, req.chunk_bytes).row_stats(req), req.logits)
 
 
 @_row_stats_op.register_fake
@@ -96,11 +94,10 @@ def _row_stats_fake(x, labels, temp_rows, t_scalar, entropy, *_):
     return tuple(x.new_empty(n if wanted else 0, dtype=_F32) for wanted in (labels is not None, entropy, True, True, True))
 
 
-def _grad_body(out: torch.Tensor, x, *args) -> None:
+def _grad_request(x, *args) -> tuple[LogpRequest, RowStats, torch.Tensor | None, torch.Tensor | None]:
+    """The grad ops' arguments as (request, the forward's statistics, g_logp, g_entropy)."""
     *request_args, row_max, log_sum, ent, g_logp, g_entropy = args
-    req = _request(x, *request_args)
-    stats = RowStats(row_max=row_max, log_sum=log_sum, entropy=ent)
-    make_engine(req.engine, req.chunk_bytes).grad(req, stats, g_logp, g_entropy, out)
+    return _request(x, *request_args), RowStats(row_max=row_max, log_sum=log_sum, entropy=ent), g_logp, g_entropy
 
 
 @torch.library.custom_op("rl_logp::grad", mutates_args=(),
@@ -108,7 +105,8 @@ def _grad_body(out: torch.Tensor, x, *args) -> None:
 def _grad_op(x, *args):
     """dz of logp (g_logp given) and/or entropy (g_entropy given) for this block of columns."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _grad_body(out, x, *args)
+    req, stats, g_logp, g_entropy = _grad_request(x, *args)
+    make_engine(req.engine, req.chunk_bytes).grad(req, stats, g_logp, g_entropy, out)
     return out
 
 
@@ -121,7 +119,8 @@ def _grad_fake(x, *args):
                          schema=f"(Tensor(a!) x, {REQUEST_SCHEMA}, {STATS_SCHEMA}) -> ()")
 def _grad_inplace_op(x, *args):
     """`grad`, written over `x` (the gradient replaces the logits it was computed from)."""
-    _grad_body(x, x, *args)
+    req, stats, g_logp, g_entropy = _grad_request(x, *args)
+    make_engine(req.engine, req.chunk_bytes).grad(req, stats, g_logp, g_entropy, x)
 
 
 @_grad_inplace_op.register_fake
