@@ -6,7 +6,7 @@ from helpers import HAS_CUDA, batch_sizes, mismatches, model_like_logits
 
 from rl_logp import entropy
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU"))]
 
 
 def entropy_and_grad(x, **kw):

@@ -71,7 +71,7 @@ def test_temperature_rows_are_batch_invariant(backend, device):
     assert counts["logp"] == 0 and counts["dlogits"] == 0, counts
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU"))])
 def test_chunk_budget_does_not_change_bits(device):
     # Budgets from "many rows per chunk" down to "a fraction of one row per chunk" (column blocks).
     vocab = 4099

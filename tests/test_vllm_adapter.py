@@ -33,7 +33,7 @@ def _has(module: str) -> bool:
 layout = f"vLLM {vllm.__version__} has no"
 needs_v1 = pytest.mark.skipif(not _has(adapter.V1_SAMPLER), reason=f"{layout} V1 sampler (removed after 0.2x)")
 needs_cpu_worker = pytest.mark.skipif(not _has(adapter.V2_CPU_LOGPROB), reason=f"{layout} V2 CPU worker (0.3x on)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture(autouse=True)
