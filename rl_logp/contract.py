@@ -29,6 +29,17 @@ import torch
 NEG_INF = float("-inf")
 
 
+def exp32(t: torch.Tensor) -> torch.Tensor:
+    """The contract's fp32 exponential: torch's CUDA `exp` on a GPU (libdevice's `expf`, the kernels' own);
+    on the CPU the fp64 `exp` rounded to fp32. torch's CPU fp32 `exp` was seen to give other bits for the
+    same input in about one process in thirty (the vocab-parallel ranks of one call then disagree); the fp64
+    route is the correctly rounded `expf` but where a result lies within an fp64 ulp of an fp32 rounding
+    boundary, so such a difference no longer reaches the fp32 bits in practice."""
+    if t.device.type == "cpu":
+        return torch.exp(t.double()).to(torch.float32)
+    return torch.exp(t)
+
+
 def scaled_logits(x: torch.Tensor, divisor: torch.Tensor | None) -> torch.Tensor:
     """A fresh fp32 copy of a [n, c] block of logits, divided by the per-row (or 0-d) temperature."""
     z = x.to(torch.float32, copy=True)
@@ -64,7 +75,7 @@ def block_fixed_sums_(
     """
     shift = torch.where(row_max == NEG_INF, torch.zeros_like(row_max), row_max)
     d = z.sub_(shift.unsqueeze(1))
-    e = torch.exp(d)
+    e = exp32(d)
     entropy_sum = None
     if entropy:
         term = (e * d).mul_(2.0**bits)
@@ -139,7 +150,7 @@ def block_grad(
     onehot - p (a plain `-p` would give -0.0 where p == 0).
     """
     lp = scaled_logits(x, divisor).sub_(row_max.unsqueeze(1)).sub_(log_sum.unsqueeze(1))
-    p = torch.exp(lp)
+    p = exp32(lp)
     live = (row_max != NEG_INF).unsqueeze(1)
     out = None
     if logp_part is not None:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from rl_logp.config import LogpConfig, resolve_config
+from rl_logp.contract import exp32
 from rl_logp.engines import fused_runs_on
 
 NEG_INF = float("-inf")
@@ -156,7 +157,7 @@ def _block_thresholds(
         in_k = ordered >= threshold.unsqueeze(1)
     if top_p is not None:
         shift = torch.where(row_max == NEG_INF, torch.zeros_like(row_max), row_max)
-        q = torch.exp(ordered - shift.unsqueeze(1)).mul_(2.0**bits).to(torch.int64)  # non-increasing
+        q = exp32(ordered - shift.unsqueeze(1)).mul_(2.0**bits).to(torch.int64)  # non-increasing
         if in_k is not None:
             q.masked_fill_(~in_k, 0)
         target = ceil_times(top_p, q.sum(dim=1))

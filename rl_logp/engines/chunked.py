@@ -17,8 +17,9 @@ from rl_logp import contract
 from rl_logp.engines.base import LogpEngine, RowStats
 from rl_logp.request import LogpRequest
 
-# Workspace bytes per element of a block: an fp32 copy of the logits plus its int64 fixed-point terms.
-WORKSPACE_BYTES_PER_ELEMENT = 12
+# Workspace bytes per element of a block: an fp32 copy of the logits, its int64 fixed-point terms, and on
+# the CPU the fp64 argument of the exponential (`contract.exp32`).
+WORKSPACE_BYTES_PER_ELEMENT = 20
 
 
 @dataclasses.dataclass(frozen=True)
