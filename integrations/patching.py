@@ -68,10 +68,6 @@ class PatchSet:
         pair = self._replacements.get(id(obj))
         return pair[1] if pair is not None and pair[0] is obj else None
 
-    def holds(self, owner: object, name: str) -> bool:
-        """Whether this set replaced `owner.name` (and has not reverted it)."""
-        return any(ref() is owner and attr == name for ref, attr, _ in self._patched)
-
     def revert(self) -> None:
         for ref, attr, original in reversed(self._patched):
             owner = ref()

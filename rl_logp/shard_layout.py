@@ -30,11 +30,9 @@ from rl_logp.temperature import Temperature
 
 FIELDS = ("rows", "width", "vocab_start", "vocab_size", "fixed_point_bits", "engine", "dtype", "temperature_kind",
           "temperature_scalar", "labels", "temperature", "validation_failed")
-LAYOUT_FIELDS = 9  # the fields a layout is cached by in "first_call" mode (the rest is compared per call)
 MESSAGE_WORDS = 48  # int64 words of the failure message (UTF-8, truncated to 384 bytes)
 ENGINE_CODES = {"fused": 1, "chunked": 2, "torch": 3}
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
-AGREEMENT_MODES = ("every_call", "first_call")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +79,8 @@ class LocalLayout:
     error: str = ""
 
     def layout(self) -> tuple[int, ...]:
-        """The first LAYOUT_FIELDS fields of the table, as host integers."""
+        """The fields a layout is cached by in "first_call" mode (the table's first ones), as host integers;
+        the labels and per-row temperatures are compared per call."""
         temp = self.temperature
         kind = -1 if temp is None else (2 if temp.rows is not None else (0 if temp.is_one else 1))
         scalar_bits = 0

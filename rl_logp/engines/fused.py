@@ -74,17 +74,20 @@ class FusedEngine(LogpEngine):
     def shard_max(self, req: LogpRequest) -> torch.Tensor:
         x = req.logits
         n = x.shape[0]
-        row_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
-        if x.shape[1] and n:
-            launch.shard_max(x, *_temperature_args(req.temperature), row_max, self.config)
+        if not (x.shape[1] and n):  # a zero-width shard: -inf, the identity of the all-reduce MAX
+            return torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
+        row_max = torch.empty(n, dtype=torch.float32, device=x.device)  # the kernel writes every row
+        launch.shard_max(x, *_temperature_args(req.temperature), row_max, self.config)
         return row_max
 
     def shard_sums(self, req: LogpRequest, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = req.logits
         n = x.shape[0]
-        fixed = torch.zeros(n, dtype=torch.int64, device=x.device)
-        entropy_fixed = torch.zeros(n, dtype=torch.int64, device=x.device) if req.entropy else None
-        if x.shape[1] and n:
+        launching = bool(x.shape[1] and n)  # else zeros: a zero-width shard adds nothing to the all-reduce SUM
+        alloc = torch.empty if launching else torch.zeros
+        fixed = alloc(n, dtype=torch.int64, device=x.device)
+        entropy_fixed = alloc(n, dtype=torch.int64, device=x.device) if req.entropy else None
+        if launching:
             launch.shard_sums(x, *_temperature_args(req.temperature), row_max.contiguous(), req.bits, req.entropy,
                               fixed, entropy_fixed, self.config)
         return fixed, entropy_fixed
