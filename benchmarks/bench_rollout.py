@@ -171,13 +171,13 @@ class Step:
         topk_topp = importlib.import_module(adapter.V1_TOPK_TOPP)
         if self.launch is None:
             return lambda: (topk_topp.apply_top_k_top_p(self.logits, self.top_k, self.top_p),)
-        from rl_logp.kernels.kept_set import kept_set
+        from rl_logp.kernels.kept_set import KeptSetLaunch, kept_set
 
         threshold = torch.empty(self.logits.shape[0], device=self.logits.device)
-        bits = LogpConfig().fixed_point_bits
+        bits, launch = LogpConfig().fixed_point_bits, KeptSetLaunch(**self.launch)
 
         def run() -> Outputs:
-            kept_set(self.logits, self.top_k, self.top_p, bits, threshold, write=True, **self.launch)
+            kept_set(self.logits, self.top_k, self.top_p, bits, threshold, write=True, launch=launch)
             return (self.logits,)
 
         return run
@@ -436,8 +436,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--check-batch", type=int, default=64, help="batch size of the sync and CUDA-graph checks")
     parser.add_argument("--backend", default="auto", help="rl-logp backend of the patch and of the checks")
     parser.add_argument("--kept-set-variants", type=json.loads, default=[],
-                        help="JSON list of launch parameters of rl_logp.kernels.kept_set.kept_set (e.g. "
-                             '\'[{"block": 2048}, {"warps": 4, "programs_per_sm": 4}]\'): each is timed on the '
+                        help="JSON list of launch parameters of rl_logp.kernels.kept_set.kept_set, fields of its "
+                             'KeptSetLaunch (e.g. \'[{"split_rows": 0}, {"split": 16, "buckets": 64}]\'): each is timed on the '
                              "kept_set settings beside vLLM's own rule")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (see above)")
     parser.add_argument("--out", default="benchmarks/results/rollout.json")

@@ -1,30 +1,26 @@
-"""The top-k / top-p kept set of `rl_logp.sampling_mask` in one Triton kernel, without sorting a row.
+"""The top-k / top-p kept set of `rl_logp.sampling_mask` in Triton kernels, without sorting a row.
 
-Per row of fp32 `z` (already divided by T), with M its exact max and q(z) = trunc(exp(z - M) 2^F) the
-contract's fixed-point terms (the same libdevice `exp` as torch's CUDA `exp`, so the same integers):
-- top-k: tau = the k-th largest z counting repeats; top-p (after top-k, over K = {z >= tau}): with
-  S = sum_K q and P = max(ceil(p S), 1) in exact integers, q* = q of the last position (in descending
-  order) whose preceding mass is below P; the row keeps {z >= tau, q(z) >= q*}. Rows whose max is not
-  finite, and rows with k outside (0, V) and p >= 1 or NaN, are left alone.
-- Selection works on order-preserving int32 keys of z (-0.0 counted as +0.0). A pass over the row counts
-  its elements per bucket of d = M - z (width 1/rate, the last bucket holding every d past the range
-  where q is 0) with `tl.histogram`. Counts locate the bucket of the k-th key exactly; for top-p, each
-  bucket's mass lies between its count times q at its edges (with margins for exp's last bits), which
-  brackets the bucket of the cut. The bracketed elements (at most BIG) are compacted into a per-program
-  scratch row, sorted in registers, and the cut found there with exact int64 masses; the mass above the
-  bracket is summed exactly in the same pass. A bracket holding more than BIG elements (e.g. top-k with
-  k in the thousands) falls back to a bisection over the keys, PIVOTS keys per pass, exact counts or
-  masses at each, until one key is left.
-- A last pass writes -inf outside the set (`write`) and stores each row's smallest kept value (the
-  threshold `z >= threshold` that `rl_logp.sampling_mask` masks with; -inf for a row left alone).
-With top-k 50 the common case is four passes over the row (max, histogram, compaction, write) and one
-sort of at most SMALL keys. No host synchronisation, no allocation in the kernel: capturable in a CUDA
-graph. Launched without fp contraction and with libdevice's non-flushing exp, as the row-statistics
-kernel is. Under TRITON_INTERPRET=1 (the CPU) exp is numpy's, not torch's CPU exp.
+The selection itself (per row: the exact max M, bucket counts of d = M - z, the top-k key and top-p cut
+found from them, and the cut value c with kept set {z >= c}) is `kept_set_select`'s. Two launch plans,
+the same bits:
+- fused (many rows): one persistent program per row at a time does everything, four passes over the
+  row in the common case (max, counts, compaction of the bracketed keys, write), the later ones mostly
+  from L2 as the row was just read.
+- split (few rows, `KeptSetLaunch.split_rows`): the passes that dominate a lone row run on `split`
+  programs per row, each over one column range: the range's max (launch 1), its bucket counts and exact
+  mass given the row max (launch 2), then one program per row sums the counts (integers: order-free),
+  finds c (launch 3), and the ranges are written (launch 4); the ranges' smallest kept values are
+  reduced by `torch.amin`. Workspaces are sized by the shape only; no program waits on another.
+A last pass writes -inf outside the set (`write`) and each row gets its smallest kept value (the
+threshold `z >= threshold` that `rl_logp.sampling_mask` masks with; -inf for a row left alone: max not
+finite, or k outside (0, V) with p >= 1 or NaN). No host synchronisation, no data-dependent allocation:
+capturable in a CUDA graph. Launched without fp contraction and with libdevice's non-flushing exp, as the
+row-statistics kernel is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -32,304 +28,135 @@ import torch
 import triton
 import triton.language as tl
 
-from .fixed_point import INTERPRET, exact_exp, max_all, max_nan
+from .fixed_point import INTERPRET, max_all
+from .kept_set_select import cut_value, first_counts, range_max, write_cut
 
-KEY_NEG_INF: tl.constexpr = tl.constexpr(-2139095041)  # the key of -inf (0xFF800000 ^ 0x7FFFFFFF)
-KEY_NONE: tl.constexpr = tl.constexpr(-2147483648)  # below every key of a non-NaN value: scratch padding
-LOW31: tl.constexpr = tl.constexpr((1 << 31) - 1)
-BOUND_SLACK: tl.constexpr = tl.constexpr(2.0**-20)  # relative margin on exp's last bits in the mass bounds
-
-BUCKETS = 1024
-SMALL = 256
-BIG = 4096
-PIVOTS = 16
+MODE_FUSED: tl.constexpr = tl.constexpr(0)  # rows end to end, writes included
+MODE_SELECT: tl.constexpr = tl.constexpr(1)  # the split plan's launch 3: c per row from the ranges' results
+PHASE_MAX: tl.constexpr = tl.constexpr(0)  # split launch 1: each range's max
+PHASE_COUNT: tl.constexpr = tl.constexpr(1)  # split launch 2: each range's counts and mass
+PHASE_WRITE: tl.constexpr = tl.constexpr(2)  # split launch 4: each range written, its smallest kept value
 
 
-@triton.jit
-def _key(z):
-    """Order-preserving int32 key of fp32 z (NaN aside)."""
-    b = z.to(tl.int32, bitcast=True)
-    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+@dataclasses.dataclass(frozen=True)
+class KeptSetLaunch:
+    """Launch parameters of the kept-set kernels (every choice gives the same bits).
 
+    block: elements per tile (a power of two); warps; max_registers per thread; programs_per_sm:
+    persistent programs of the fused plan; buckets: bucket count of d (a power of two; fewer is cheaper
+    per element, more gives narrower brackets); small, big: the two sizes of the sorted scratch row
+    (powers of two; a bracket above big is bisected); pivots: keys tried per bisection pass;
+    split_rows: the split plan for at most this many rows (0: never); split: programs per row in the
+    split plan (0: enough to give each SM `programs_per_sm` programs, at most `max_split`).
+    """
 
-@triton.jit
-def _value(key):
-    b = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
-    return b.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _terms(z, row_max, q_scale):
-    """q(z) = trunc(exp(z - M) 2^F) as int64, the operations of the pure-torch path."""
-    return (exact_exp(z - row_max) * q_scale).to(tl.int64)
-
-
-@triton.jit
-def _bucket(z, row_max, rate, NB: tl.constexpr):
-    """floor((M - z) rate), the last bucket for everything past it (-inf included); monotone in z."""
-    return tl.minimum(tl.floor((row_max - z) * rate), NB - 1.0).to(tl.int32)
+    block: int = 4096
+    warps: int = 8
+    max_registers: int = 128
+    programs_per_sm: int = 2
+    buckets: int = 128
+    small: int = 256
+    big: int = 4096
+    pivots: int = 16
+    split_rows: int = 64
+    split: int = 0
+    max_split: int = 64
 
 
 @triton.jit
-def _ceil_times(p, s):
-    """max(ceil(p s), 1) exactly for fp32 p < 1 and int64 s >= 0 (p <= 0: 1): p = m 2^-e, m s split
-    at bit 31 so that no product passes 63 bits."""
-    bits = p.to(tl.int32, bitcast=True)
-    expo = (bits >> 23) & 0xFF
-    mant = (bits & 0x7FFFFF).to(tl.int64)
-    m = tl.where(expo == 0, mant, mant | 0x800000)
-    e = tl.where(expo == 0, 149, 150 - expo).to(tl.int64)
-    low = m * (s & LOW31)
-    c = m * (s >> 31) + (low >> 31)
-    r = low & LOW31
-    one = tl.full([], 1, tl.int64)
-    t = tl.minimum(tl.maximum(e - 31, 0), 62)
-    wide = (c >> t) + (((c & ((one << t) - 1)) | r) != 0).to(tl.int64)
-    u = tl.minimum(tl.maximum(31 - e, 0), 31)
-    e_small = tl.minimum(e, 31)
-    narrow = (c << u) + ((r + (one << e_small) - 1) >> e_small)
-    ceil = tl.where(e >= 31, wide, narrow)
-    return tl.where(bits <= 0, 1, tl.maximum(ceil, 1))
+def _row_parameters(TOP_K, TOP_P, row, vocab, HAS_K: tl.constexpr, HAS_P: tl.constexpr):
+    k = tl.full([], 0, tl.int64)
+    p = tl.full([], 1.0, tl.float32)
+    if HAS_K:
+        k = tl.load(TOP_K + row).to(tl.int64)
+    if HAS_P:
+        p = tl.load(TOP_P + row).to(tl.float32)
+    return k, p, (k > 0) & (k < vocab), p < 1.0
 
 
 @triton.jit
-def _load(row_ptr, cols, vocab):
-    """A tile of the row, -0.0 made +0.0 (columns past the row read as -inf)."""
-    return tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")) + 0.0
+def _is_active(row_max, k_on, p_on):
+    return (row_max == row_max) & (tl.abs(row_max) != float("inf")) & (k_on | p_on)
 
 
 @triton.jit
-def _row_max(row_ptr, vocab, BLOCK: tl.constexpr):
-    m = tl.full([], float("-inf"), tl.float32)
-    for start in range(0, vocab, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        m = max_nan(m, max_all(tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf"))))
-    return m + 0.0
-
-
-@triton.jit
-def _histogram(row_ptr, vocab, row_max, floor, rate, q_scale, SUM: tl.constexpr, BLOCK: tl.constexpr,
-               NB: tl.constexpr):
-    """Counts per bucket of the elements whose key is >= floor, and (SUM) the exact sum of their q."""
-    counts = tl.zeros([NB], tl.int32)
-    total = tl.full([], 0, tl.int64)
-    for start in range(0, vocab, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        z = _load(row_ptr, cols, vocab)
-        ok = (cols < vocab) & (_key(z) >= floor)
-        counts += tl.histogram(_bucket(z, row_max, rate, NB), NB, mask=ok)
-        if SUM:
-            total += tl.sum(tl.where(ok, _terms(z, row_max, q_scale), 0))
-    return counts, total
-
-
-@triton.jit
-def _compact(row_ptr, vocab, row_max, floor, first, last, scratch, rate, q_scale, BLOCK: tl.constexpr,
-             NB: tl.constexpr):
-    """Store the keys of the elements (key >= floor) in buckets [first, last] at scratch[0, n); return
-    the exact sum of q over those (key >= floor) in buckets before `first`. The barriers order this
-    row's stores after the previous row's reads of the scratch row, and before this row's reads."""
-    tl.debug_barrier()
-    n = tl.full([], 0, tl.int32)
-    above = tl.full([], 0, tl.int64)
-    for start in range(0, vocab, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        z = _load(row_ptr, cols, vocab)
-        key = _key(z)
-        ok = (cols < vocab) & (key >= floor)
-        b = _bucket(z, row_max, rate, NB)
-        pick = ok & (b >= first) & (b <= last)
-        picked = pick.to(tl.int32)
-        tl.store(scratch + n + tl.cumsum(picked, 0) - picked, key, mask=pick)
-        n += tl.sum(picked)
-        above += tl.sum(tl.where(ok & (b < first), _terms(z, row_max, q_scale), 0))
-    tl.debug_barrier()
-    return above
-
-
-@triton.jit
-def _resolve(scratch, n_in, k_rank, tau, p, above, total, row_max, q_scale, FIND_K: tl.constexpr,
-             FIND_P: tl.constexpr, SUM_HERE: tl.constexpr, CAP: tl.constexpr):
-    """Sort the n_in compacted keys; the k_rank-th largest is tau (FIND_K); q* from the masses of the
-    keys >= tau, preceded by `above`, against P = ceil(p S) with S = `total` or (SUM_HERE) their sum."""
-    i = tl.arange(0, CAP)
-    keys = tl.sort(tl.load(scratch + i, mask=i < n_in, other=KEY_NONE), descending=True)
-    if FIND_K:
-        tau = tl.max(tl.where(i == k_rank, keys, KEY_NONE))
-    q_star = tl.full([], 0, tl.int64)
-    if FIND_P:
-        in_k = (i < n_in) & (keys >= tau)
-        q = tl.where(in_k, _terms(_value(tl.where(in_k, keys, tau)), row_max, q_scale), 0)
-        if SUM_HERE:
-            total = tl.sum(q)
-        target = _ceil_times(p, total)
-        before = tl.cumsum(q, 0) - q + above
-        last = tl.max(tl.where(in_k & (before < target), i, -1))
-        q_star = tl.sum(tl.where(i == last, q, 0))
-    return tau, q_star
-
-
-@triton.jit
-def _bisect(row_ptr, vocab, row_max, floor, target, q_scale, MASS: tl.constexpr, BLOCK: tl.constexpr,
-            PIVOTS_: tl.constexpr):
-    """The largest key t with F(t) >= target, F(t) the count (or MASS: the sum of q) of the elements
-    whose key is >= max(t, floor); F(floor) >= target. Each pass tries PIVOTS_ keys of (lo, hi]."""
-    lo = floor.to(tl.int64)
-    hi = _key(row_max).to(tl.int64)
-    j = tl.arange(0, PIVOTS_).to(tl.int64)
-    while lo < hi:
-        pivots = lo + 1 + ((hi - lo - 1) * j) // (PIVOTS_ - 1)
-        acc = tl.zeros([PIVOTS_], tl.int64)
-        for start in range(0, vocab, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            z = _load(row_ptr, cols, vocab)
-            key = _key(z).to(tl.int64)
-            ok = (cols < vocab) & (key >= floor)
-            if MASS:
-                w = tl.where(ok, _terms(z, row_max, q_scale), 0)
-            else:
-                w = ok.to(tl.int64)
-            acc += tl.sum(tl.where(key[:, None] >= pivots[None, :], w[:, None], 0), axis=0)
-        good = acc >= target
-        lo = tl.maximum(lo, tl.max(tl.where(good, pivots, lo)))
-        hi = tl.minimum(hi, tl.min(tl.where(good, hi, pivots - 1)))
-    return lo.to(tl.int32)
-
-
-@triton.jit
-def _top_k(row_ptr, vocab, row_max, k, p, chain, scratch, rate, q_scale, BLOCK: tl.constexpr,
-           NB: tl.constexpr, SMALL_: tl.constexpr, BIG_: tl.constexpr, PIVOTS_: tl.constexpr):
-    """(tau, q*, whether q* was found): with `chain` (top-p on too) and the whole top of the row fitting
-    the scratch row, top-p is resolved on the same sorted keys."""
-    counts, _ = _histogram(row_ptr, vocab, row_max, KEY_NEG_INF, rate, q_scale, False, BLOCK, NB)
-    idx = tl.arange(0, NB)
-    through = tl.cumsum(counts, 0)
-    b_k = tl.min(tl.where(through >= k, idx, NB - 1))
-    upto = tl.sum(tl.where(idx == b_k, through, 0))
-    inside = tl.sum(tl.where(idx == b_k, counts, 0))
-    full = chain & (upto <= BIG_)
-    n_in = tl.where(full, upto, inside)
-    rank = (k - 1 - tl.where(full, 0, upto - inside)).to(tl.int32)
-    tau = tl.full([], KEY_NEG_INF, tl.int32)
-    q_star = tl.full([], 0, tl.int64)
-    if n_in <= BIG_:
-        _compact(row_ptr, vocab, row_max, KEY_NEG_INF, tl.where(full, 0, b_k), b_k, scratch, rate, q_scale,
-                 BLOCK, NB)
-        zero = tl.full([], 0, tl.int64)
-        if full:
-            if n_in <= SMALL_:
-                tau, q_star = _resolve(scratch, n_in, rank, tau, p, zero, zero, row_max, q_scale, True, True, True,
-                                       SMALL_)
-            else:
-                tau, q_star = _resolve(scratch, n_in, rank, tau, p, zero, zero, row_max, q_scale, True, True, True,
-                                       BIG_)
-        else:
-            if n_in <= SMALL_:
-                tau, _ = _resolve(scratch, n_in, rank, tau, p, zero, zero, row_max, q_scale, True, False, False,
-                                  SMALL_)
-            else:
-                tau, _ = _resolve(scratch, n_in, rank, tau, p, zero, zero, row_max, q_scale, True, False, False,
-                                  BIG_)
-    else:
-        tau = _bisect(row_ptr, vocab, row_max, tl.full([], KEY_NEG_INF, tl.int32), k, q_scale, False, BLOCK // 8,
-                      PIVOTS_)
-    return tau, q_star, (full & (n_in <= BIG_)).to(tl.int32)
-
-
-@triton.jit
-def _mass_bounds(counts, rate, q_scale, NB: tl.constexpr):
-    """Per bucket, lower and upper bounds of its elements' summed q (the last bucket's q are all 0)."""
-    b = tl.arange(0, NB).to(tl.float64)  # rate and 2^F are powers of two: exact in fp64
-    q_hi = tl.floor(exact_exp(-b / rate) * (1.0 + BOUND_SLACK) * q_scale) + 1.0
-    q_lo = tl.maximum(tl.floor(exact_exp(-(b + 1.0) / rate) * (1.0 - BOUND_SLACK) * q_scale) - 1.0, 0.0)
-    last = tl.arange(0, NB) == NB - 1
-    q_hi = tl.where(last, 0.0, tl.minimum(q_hi, q_scale))
-    q_lo = tl.where(last, 0.0, q_lo)
-    c = counts.to(tl.int64)
-    return c * q_lo.to(tl.int64), c * q_hi.to(tl.int64)
-
-
-@triton.jit
-def _top_p(row_ptr, vocab, row_max, tau, p, scratch, rate, q_scale, BLOCK: tl.constexpr, NB: tl.constexpr,
-           SMALL_: tl.constexpr, BIG_: tl.constexpr, PIVOTS_: tl.constexpr):
-    """q* of the top-p cut over the keys >= tau."""
-    counts, total = _histogram(row_ptr, vocab, row_max, tau, rate, q_scale, True, BLOCK, NB)
-    target = _ceil_times(p, total)
-    mass_lo, mass_hi = _mass_bounds(counts, rate, q_scale, NB)
-    cum_lo = tl.cumsum(mass_lo, 0)
-    cum_hi = tl.cumsum(mass_hi, 0)
-    surely = tl.maximum(cum_lo, total - (tl.sum(mass_hi) - cum_hi))  # mass of the buckets up to b, at least
-    at_most = tl.minimum(cum_hi, total - (tl.sum(mass_lo) - cum_lo))
-    idx = tl.arange(0, NB)
-    first = tl.min(tl.where(at_most >= target, idx, NB - 1))
-    last = tl.min(tl.where(surely >= target, idx, NB - 1))
-    n_in = tl.sum(tl.where((idx >= first) & (idx <= last), counts, 0))
-    q_star = tl.full([], 0, tl.int64)
-    if n_in <= BIG_:
-        above = _compact(row_ptr, vocab, row_max, tau, first, last, scratch, rate, q_scale, BLOCK, NB)
-        if n_in <= SMALL_:
-            _, q_star = _resolve(scratch, n_in, 0, tau, p, above, total, row_max, q_scale, False, True, False, SMALL_)
-        else:
-            _, q_star = _resolve(scratch, n_in, 0, tau, p, above, total, row_max, q_scale, False, True, False, BIG_)
-    else:
-        cut = _bisect(row_ptr, vocab, row_max, tau, target, q_scale, True, BLOCK // 8, PIVOTS_)
-        q_star = _terms(_value(cut), row_max, q_scale)
-    return q_star
-
-
-@triton.jit
-def kept_set_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, SCRATCH, n_rows, vocab, rate, q_scale,
-                    HAS_K: tl.constexpr, HAS_P: tl.constexpr, WRITE: tl.constexpr, BLOCK: tl.constexpr,
-                    NB: tl.constexpr, SMALL_: tl.constexpr, BIG_: tl.constexpr, PIVOTS_: tl.constexpr):
+def kept_set_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, SCRATCH, MAXES, COUNTS, MASSES, CUTS, n_rows, vocab, rate,
+                    q_scale, MODE: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, WRITE: tl.constexpr,
+                    BLOCK: tl.constexpr, NB: tl.constexpr, SMALL_: tl.constexpr, BIG_: tl.constexpr,
+                    PIVOTS_: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr):
+    """Rows pid, pid + programs, ...: fused, every pass here; select (split plan), c into CUTS (NaN for a
+    row left alone) from the ranges' maxima (MAXES), counts (COUNTS) and masses (MASSES)."""
     pid = tl.program_id(0)
     scratch = SCRATCH + pid.to(tl.int64) * BIG_
     row = pid.to(tl.int64)
     while row < n_rows:
         row_ptr = Z + row * stride
-        k = tl.full([], 0, tl.int64)
-        p = tl.full([], 1.0, tl.float32)
-        if HAS_K:
-            k = tl.load(TOP_K + row).to(tl.int64)
-        if HAS_P:
-            p = tl.load(TOP_P + row).to(tl.float32)
-        k_on = (k > 0) & (k < vocab)
-        p_on = p < 1.0
-        row_max = _row_max(row_ptr, vocab, BLOCK)
-        active = (row_max == row_max) & (tl.abs(row_max) != float("inf")) & (k_on | p_on)
-        threshold = tl.full([], float("-inf"), tl.float32)
-        if active:
-            tau = tl.full([], KEY_NEG_INF, tl.int32)
-            q_star = tl.full([], 0, tl.int64)
-            p_done = tl.full([], 0, tl.int32)
-            if HAS_K:
-                if k_on:
-                    tau, q_star, p_done = _top_k(row_ptr, vocab, row_max, k, p, p_on, scratch, rate, q_scale, BLOCK,
-                                                 NB, SMALL_, BIG_, PIVOTS_)
-            if HAS_P:
-                if p_on & (p_done == 0):
-                    q_star = _top_p(row_ptr, vocab, row_max, tau, p, scratch, rate, q_scale, BLOCK, NB, SMALL_,
-                                    BIG_, PIVOTS_)
-            tau_value = _value(tau)
-            threshold = tl.full([], float("inf"), tl.float32)
-            for start in range(0, vocab, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                inside = cols < vocab
-                z = _load(row_ptr, cols, vocab)
-                keep = z >= tau_value
-                if HAS_P:
-                    keep = keep & (_terms(z, row_max, q_scale) >= q_star)
-                threshold = tl.minimum(threshold, tl.min(tl.where(keep & inside, z, float("inf"))))
-                if WRITE:
-                    tl.store(row_ptr + cols, tl.full([BLOCK], float("-inf"), tl.float32), mask=inside & ~keep)
-        tl.store(THRESHOLD + row, threshold)
+        k, p, k_on, p_on = _row_parameters(TOP_K, TOP_P, row, vocab, HAS_K, HAS_P)
+        if MODE == MODE_FUSED:
+            row_max = range_max(row_ptr, 0, vocab, BLOCK)
+        else:
+            s = tl.arange(0, SPLIT_PAD)
+            row_max = max_all(tl.load(MAXES + row * SPLIT + s, mask=s < SPLIT, other=float("-inf")))
+        cut = tl.full([], float("nan"), tl.float32)
+        if _is_active(row_max, k_on, p_on):
+            if MODE == MODE_FUSED:
+                counts, total = first_counts(row_ptr, 0, vocab, row_max, k_on, rate, q_scale, HAS_P, BLOCK, NB)
+            else:
+                at = (row * SPLIT + s)[:, None] * NB + tl.arange(0, NB)[None, :]
+                counts = tl.sum(tl.load(COUNTS + at, mask=(s < SPLIT)[:, None], other=0), axis=0)
+                total = tl.sum(tl.load(MASSES + row * SPLIT + s, mask=s < SPLIT, other=0))
+            cut = cut_value(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, total, scratch, rate, q_scale, HAS_K,
+                            HAS_P, BLOCK, NB, SMALL_, BIG_, PIVOTS_)
+        if MODE == MODE_FUSED:
+            threshold = tl.full([], float("-inf"), tl.float32)
+            if cut == cut:
+                threshold = write_cut(row_ptr, 0, vocab, cut, WRITE, BLOCK)
+            tl.store(THRESHOLD + row, threshold)
+        else:
+            tl.store(CUTS + row, cut)
         row += tl.num_programs(0)
 
 
+@triton.jit
+def kept_set_range_kernel(Z, stride, TOP_K, TOP_P, MAXES, COUNTS, MASSES, CUTS, SMALLEST, vocab, span, rate, q_scale,
+                          PHASE: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, WRITE: tl.constexpr, BLOCK: tl.constexpr,
+                          NB: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr):
+    """Program (row, r) of the split plan on columns [r span, (r + 1) span) of the row."""
+    row = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1)
+    slot = row * SPLIT + r
+    row_ptr = Z + row * stride
+    lo = r * span
+    hi = tl.minimum(lo + span, vocab)
+    if PHASE == PHASE_MAX:
+        tl.store(MAXES + slot, range_max(row_ptr, lo, hi, BLOCK))
+    elif PHASE == PHASE_COUNT:
+        s = tl.arange(0, SPLIT_PAD)
+        row_max = max_all(tl.load(MAXES + row * SPLIT + s, mask=s < SPLIT, other=float("-inf")))
+        _, _, k_on, p_on = _row_parameters(TOP_K, TOP_P, row, vocab, HAS_K, HAS_P)
+        counts = tl.zeros([NB], tl.int32)
+        total = tl.full([], 0, tl.int64)
+        if _is_active(row_max, k_on, p_on):
+            counts, total = first_counts(row_ptr, lo, hi, row_max, k_on, rate, q_scale, HAS_P, BLOCK, NB)
+        tl.store(COUNTS + slot * NB + tl.arange(0, NB), counts)
+        tl.store(MASSES + slot, total)
+    else:
+        cut = tl.load(CUTS + row)
+        smallest = tl.full([], float("-inf"), tl.float32)
+        if cut == cut:
+            smallest = write_cut(row_ptr, lo, hi, cut, WRITE, BLOCK)
+        tl.store(SMALLEST + slot, smallest)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 @functools.lru_cache(maxsize=64)
-def bucket_rate(bits: int) -> float:
+def bucket_rate(bits: int, buckets: int) -> float:
     """Buckets per unit of d = M - z: the largest power of two with which the last bucket starts past
     d = F ln 2 + 1, where q(z) = 0."""
-    return 2.0 ** math.floor(math.log2((BUCKETS - 1) / (bits * math.log(2.0) + 1.0)))
+    return 2.0 ** math.floor(math.log2((buckets - 1) / (bits * math.log(2.0) + 1.0)))
 
 
 @functools.lru_cache(maxsize=8)
@@ -337,16 +164,27 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _slots(z: torch.Tensor, cfg: KeptSetLaunch) -> int:
+    """Programs the device runs at once (the interpreter: 4)."""
+    return 4 if INTERPRET or not z.is_cuda else cfg.programs_per_sm * _sm_count(z.device.index)
+
+
+def split_count(z: torch.Tensor, cfg: KeptSetLaunch) -> int:
+    """Programs per row of the split plan, 1 for the fused plan."""
+    n, vocab = z.shape
+    if n > cfg.split_rows:
+        return 1
+    wanted = cfg.split or min(cfg.max_split, _cdiv(_slots(z, cfg), n))
+    return max(1, min(wanted, _cdiv(vocab, cfg.block)))
+
+
 def kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, bits: int,
-             threshold: torch.Tensor, *, write: bool, block: int = 4096, warps: int = 8, max_registers: int = 128,
-             programs_per_sm: int = 2, small: int = SMALL, big: int = BIG) -> None:
+             threshold: torch.Tensor, *, write: bool, launch: KeptSetLaunch = KeptSetLaunch()) -> None:
     """Fill `threshold` (fp32 [n]) with each row's smallest kept value of the [n, V] fp32 `z` (last
     dimension contiguous), and with `write` set z to -inf outside the kept set, in place.
 
     `top_k`: int32/int64 [n] or None; `top_p`: fp32 [n] or None (contiguous); `bits`: the fixed-point F
-    (<= 62). Launch parameters (every choice gives the same bits): `block` elements per tile (a power of
-    two), `warps`, `max_registers` per thread, `programs_per_sm` persistent programs; `small` and `big`
-    the two sizes of the sorted scratch row (powers of two; a bracket above `big` is bisected).
+    (<= 62); `launch`: the launch parameters.
     """
     n, vocab = z.shape
     if top_k is None and top_p is None:
@@ -354,12 +192,32 @@ def kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | 
         return
     if n == 0:
         return
-    slots = n if INTERPRET or not z.is_cuda else programs_per_sm * _sm_count(z.device.index)
-    programs = max(1, min(n, slots))
-    scratch = torch.empty((programs, big), dtype=torch.int32, device=z.device)
-    kept_set_kernel[(programs,)](
-        z, z.stride(0), top_k, top_p, threshold, scratch, n, vocab, bucket_rate(bits), float(2.0**bits),
-        HAS_K=top_k is not None, HAS_P=top_p is not None, WRITE=write, BLOCK=block, NB=BUCKETS, SMALL_=small,
-        BIG_=big, PIVOTS_=PIVOTS, num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False,
-        **({} if INTERPRET else {"maxnreg": max_registers}),
-    )
+    cfg = launch
+    split = split_count(z, cfg)
+    rate, q_scale = bucket_rate(bits, cfg.buckets), float(2.0**bits)
+    common = {"BLOCK": cfg.block, "NB": cfg.buckets, "num_warps": cfg.warps, "enable_fp_fusion": False,
+              "enable_reflect_ftz": False, **({} if INTERPRET else {"maxnreg": cfg.max_registers})}
+    sizes = {"SMALL_": cfg.small, "BIG_": cfg.big, "PIVOTS_": cfg.pivots, "SPLIT": split,
+             "SPLIT_PAD": triton.next_power_of_2(split)}
+    flags = {"HAS_K": top_k is not None, "HAS_P": top_p is not None, "WRITE": write}
+    if split == 1:
+        programs = n if INTERPRET or not z.is_cuda else max(1, min(n, _slots(z, cfg)))
+        scratch = torch.empty((programs, cfg.big), dtype=torch.int32, device=z.device)
+        kept_set_kernel[(programs,)](z, z.stride(0), top_k, top_p, threshold, scratch, None, None, None, None, n, vocab,
+                                     rate, q_scale, MODE=MODE_FUSED.value, **flags, **sizes, **common)
+        return
+    maxes = torch.empty((n, split), dtype=torch.float32, device=z.device)
+    counts = torch.empty((n, split, cfg.buckets), dtype=torch.int32, device=z.device)
+    masses = torch.empty((n, split), dtype=torch.int64, device=z.device)
+    cuts = torch.empty(n, dtype=torch.float32, device=z.device)
+    smallest = torch.empty((n, split), dtype=torch.float32, device=z.device)
+    scratch = torch.empty((n, cfg.big), dtype=torch.int32, device=z.device)
+    span = _cdiv(_cdiv(vocab, split), cfg.block) * cfg.block
+    ranges = (z, z.stride(0), top_k, top_p, maxes, counts, masses, cuts, smallest, vocab, span, rate, q_scale)
+    range_sizes = {"SPLIT": split, "SPLIT_PAD": sizes["SPLIT_PAD"]}
+    for phase in (PHASE_MAX, PHASE_COUNT):
+        kept_set_range_kernel[(n, split)](*ranges, PHASE=phase.value, **flags, **range_sizes, **common)
+    kept_set_kernel[(n,)](z, z.stride(0), top_k, top_p, threshold, scratch, maxes, counts, masses, cuts, n, vocab, rate,
+                          q_scale, MODE=MODE_SELECT.value, **flags, **sizes, **common)
+    kept_set_range_kernel[(n, split)](*ranges, PHASE=PHASE_WRITE.value, **flags, **range_sizes, **common)
+    torch.amin(smallest, dim=1, out=threshold)

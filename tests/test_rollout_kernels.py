@@ -1,7 +1,6 @@
 """The rollout's Triton kernels against the pure-torch code they replace on CUDA: the kept-set kernel
 (`rl_logp.kernels.kept_set`) against the contract's reference (`rl_logp.sampling_mask.reference_thresholds`):
-the same kept tokens, the same bits; the full-vocab logprob writer (`rl_logp.kernels.full_logprobs`)
-against `(fp32(x) - M) - L` in torch. On the CPU the kernels run under Triton's interpreter, whose exp is
+the same kept tokens, the same bits. On the CPU the kernels run under Triton's interpreter, whose exp is
 numpy's, not torch's: these rows have no top-p cut that an ulp of exp moves (a fixed seed, so the result
 is the same on every run); on CUDA both sides use the same exp."""
 
@@ -9,7 +8,6 @@ import pytest
 import torch
 from helpers import INTERPRET, mismatches, model_like_logits, needs_cuda
 
-import rl_logp
 from rl_logp.config import LogpConfig
 from rl_logp.sampling_mask import NEG_INF, mask_logits_, reference_thresholds
 
@@ -21,10 +19,10 @@ DEVICES = [
 
 def kernel_mask(z: torch.Tensor, k, p, bits: int = 40, **launch) -> tuple[torch.Tensor, torch.Tensor]:
     """(z masked in place by the kernel, the kernel's thresholds)."""
-    from rl_logp.kernels.kept_set import kept_set
+    from rl_logp.kernels.kept_set import KeptSetLaunch, kept_set
 
     out, threshold = z.clone(), torch.empty(z.shape[0], device=z.device)
-    kept_set(out, k, p, bits, threshold, write=True, **launch)
+    kept_set(out, k, p, bits, threshold, write=True, launch=KeptSetLaunch(**launch))
     return out, threshold
 
 
@@ -93,6 +91,34 @@ def test_kept_set_kernel_fallbacks_are_the_contract(device, small, big):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch,split,buckets,big", [(1, 5, 32, 4096), (3, 3, 128, 64), (7, 2, 64, 16)],
+                         ids=["one-row", "three-rows-large-sort", "seven-rows-bisection"])
+def test_kept_set_split_plan_is_the_contract(device, batch, split, buckets, big):
+    """The split plan (column ranges on several programs per row, four launches) on small shapes: tiles of
+    64 so that every row is cut into `split` ranges, edge rows included (at batch 7: part -inf, all -inf,
+    NaN, +inf), k in the hundreds (a bracket above `big` is bisected) and p's special values."""
+    from rl_logp.kernels.kept_set import KeptSetLaunch, split_count
+
+    gen = torch.Generator().manual_seed(batch)
+    vocab, launch = 400, {"block": 64, "split": split, "buckets": buckets, "small": 16, "big": big}
+    differing = 0
+    for kind in ("integers (many ties)", "bf16-rounded"):
+        z = rows(kind, batch + 4, vocab, device, gen)[4:] if batch < 7 else rows(kind, batch, vocab, device, gen)
+        k, p = parameters(10, vocab, device, gen)
+        k, p = k[-batch:], p[-batch:]
+        k[-1] = 250  # the k-th key far below the max
+        assert split_count(z, KeptSetLaunch(**launch)) == split
+        for top_k, top_p in ((k, None), (None, p), (k, p)):
+            masked, threshold = kernel_mask(z, top_k, top_p, **launch)
+            assert top_k is None or (torch.isneginf(masked[-1]).any() and not torch.isneginf(masked[-1]).all())
+            want = contract_mask(z, top_k, top_p)
+            differing += mismatches(masked, want) + mismatches(contract_mask_by(z, threshold), want)
+            fused, fused_threshold = kernel_mask(z, top_k, top_p, **{**launch, "split_rows": 0})
+            differing += mismatches(fused, masked) + mismatches(fused_threshold, threshold)
+    assert differing == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_kept_set_kernel_top_p_boundary_and_fixed_point_bits(device):
     """F = 20, a row whose top token holds exactly half the mass: p = 0.5 keeps it alone, the next float32
     above 0.5 keeps all three (the test_sampling_mask boundary row, through the kernel)."""
@@ -134,15 +160,17 @@ def test_cuda_mask_logits_is_the_contract_at_rollout_size(batch):
         assert mismatches(got, contract_mask(z, top_k, top_p)) == 0
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_full_logprobs_kernel_is_the_torch_expression(device, dtype):
-    from rl_logp.kernels.full_logprobs import full_logprobs
-
-    x = model_like_logits(9, 3001 if device == "cpu" else 151936, dtype, device, seed=4)
-    x[1] = NEG_INF
-    x[2, 5] = float("nan")
-    row_max, log_sum = rl_logp.log_normalizer(x)
-    got = full_logprobs(x, row_max, log_sum, block=1024)
-    want = x.to(torch.float32, copy=True).sub_(row_max.unsqueeze(1)).sub_(log_sum.unsqueeze(1))
-    assert got.dtype == torch.float32 and mismatches(got, want) == 0
+@needs_cuda
+@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("launch", [{"split_rows": 0}, {}, {"split": 7, "buckets": 1024}, {"split": 64, "block": 1024}],
+                         ids=["fused", "default", "split-7", "split-64"])
+def test_cuda_kept_set_plans_are_the_contract(batch, launch):
+    """Both launch plans at rollout size, with k up to thousands, against the contract and each other."""
+    z = model_like_logits(batch, 151936, torch.bfloat16, "cuda", seed=batch + 1).float() / 0.7
+    gen = torch.Generator().manual_seed(batch)
+    k = torch.randint(1, 3000, (batch,), generator=gen, dtype=torch.int32).cuda()
+    p = (torch.rand(batch, generator=gen) * 0.9 + 0.05).cuda()
+    for top_k, top_p in ((k, None), (None, p), (k, p)):
+        masked, threshold = kernel_mask(z, top_k, top_p, **launch)
+        want = contract_mask(z, top_k, top_p)
+        assert mismatches(masked, want) == 0 and mismatches(contract_mask_by(z, threshold), want) == 0
