@@ -14,7 +14,9 @@ Suites (`--suites`), each row written to the JSON (`--out`) as soon as it is mea
   sweep    launch variants of the fused kernels (`LaunchConfig`) at the largest N, kernel by kernel.
   rollout  one call per decode step at N in {1, 8, 64, 256, 1024}: wall time per call over a loop of
            calls (synchronised at the end, host and launches included: what vLLM's sampler sees), CUDA time
-           per call, and host time per call (the loop without waiting for the GPU).
+           per call, and host time per call (the loop without waiting for the GPU); the sampled token's
+           logp, 21 columns per row (`column_logprobs`) and every column (`full_logprobs`), each beside
+           the torch expression vLLM's own PyTorch code computes.
   overhead host time per call of each piece of a rollout-size `rl_logp.logprobs`.
   tp       the cost of the TP agreement per call: `rl_logp.logprobs` with a `tp_group` (an NCCL group of
            this one process on a GPU, gloo on the CPU) in `tp_agreement` modes `every_call` (a host sync)
@@ -302,28 +304,46 @@ def run_sweep(args, device, bandwidth, report: Report) -> None:
         report.add(row)
 
 
+def _divided(x: torch.Tensor, temperature: float | None) -> torch.Tensor:
+    return x.float() if temperature is None else x.float() / temperature
+
+
+def rollout_calls(providers: dict, labels: torch.Tensor, ids: torch.Tensor) -> dict:
+    """What a rollout asks per decode step, each call as fn(logits, temperature): the sampled token's logp
+    (rl-logp and the peers of `logp_providers`), K = ids.shape[1] columns per row (the sampled token and
+    the top-n: rl-logp's one launch vs log_softmax + gather, vLLM's own PyTorch rule), every column's logprob
+    (rl-logp vs log_softmax in fp32, vLLM V1's `compute_logprobs`)."""
+    k = ids.shape[1]
+    calls = {name: (lambda x, t, fn=providers[name]: fn(x, labels, t, False))
+             for name in ("rl_logp", "torch log_softmax+gather", "flash_attn CE") if name in providers}
+    calls[f"rl_logp.column_logprobs K={k}"] = lambda x, t: rl_logp.column_logprobs(x, ids, temperature=t)
+    calls[f"torch log_softmax+gather K={k}"] = lambda x, t: torch.log_softmax(_divided(x, t), -1).gather(1, ids)
+    calls["rl_logp.full_logprobs"] = lambda x, t: rl_logp.full_logprobs(x, temperature=t)
+    calls["torch log_softmax fp32"] = lambda x, t: torch.log_softmax(_divided(x, t), -1)
+    return calls
+
+
 def run_rollout(args, device, report: Report) -> None:
     """One call per decode step: wall and host time per call over a loop, and CUDA time per call."""
     providers, _ = logp_providers(args.smoke)
-    calls = {name: providers[name] for name in ("rl_logp", "torch log_softmax+gather", "flash_attn CE")
-             if name in providers}
     for n in ([1, 8] if args.smoke else [1, 8, 64, 256, 1024]):
         inputs, labels = make_inputs(n, args.vocab, device, 100 + n)
+        ids = torch.cat([labels[:, None], torch.randint(0, args.vocab, (n, 20), device=device)], dim=1)
         for temperature in (None, 0.7):
-            for name, fn in calls.items():
+            for name, fn in rollout_calls(providers, labels, ids).items():
                 row = {"suite": "rollout", "provider": name, "rows": n, "vocab": args.vocab, "temperature": temperature}
                 try:
                     with torch.no_grad():
                         for _ in range(10):
-                            fn(inputs[0], labels, temperature, False)
+                            fn(inputs[0], temperature)
                         _sync(device)
                         t0 = time.perf_counter()
                         for i in range(args.rollout_reps):
-                            fn(inputs[i % 2], labels, temperature, False)
+                            fn(inputs[i % 2], temperature)
                         row["host_us"] = (time.perf_counter() - t0) / args.rollout_reps * 1e6
                         _sync(device)
                         row["wall_us"] = (time.perf_counter() - t0) / args.rollout_reps * 1e6
-                        row["cuda_us"] = median_ms(lambda i, f=fn, t=temperature, xs=inputs, y=labels: f(xs[i % 2], y, t, False),
+                        row["cuda_us"] = median_ms(lambda i, f=fn, t=temperature, xs=inputs: f(xs[i % 2], t),
                                                    args.rollout_reps, device) * 1e3
                 except Exception as err:
                     row["error"] = f"{type(err).__name__}: {err}"
@@ -431,12 +451,12 @@ def print_table(results: list[dict]) -> None:
             print(f"sweep {r['provider'][:50]} error: {r['error'][:80]}")
     rollout = [r for r in results if r.get("suite") == "rollout"]
     if rollout:
-        print(f"\n{'rollout call':26s} {'N':>5s} {'T':>4s} {'wall us':>9s} {'host us':>9s} {'cuda us':>9s}")
+        print(f"\n{'rollout call':34s} {'N':>5s} {'T':>4s} {'wall us':>9s} {'host us':>9s} {'cuda us':>9s}")
         for r in rollout:
             if "error" in r:
-                print(f"{r['provider']:26s} {r['rows']:5d} error: {r['error'][:60]}")
+                print(f"{r['provider']:34s} {r['rows']:5d} error: {r['error'][:60]}")
                 continue
-            print(f"{r['provider']:26s} {r['rows']:5d} {r['temperature'] or 1.0:4.1f} {r['wall_us']:9.1f} "
+            print(f"{r['provider']:34s} {r['rows']:5d} {r['temperature'] or 1.0:4.1f} {r['wall_us']:9.1f} "
                   f"{r['host_us']:9.1f} {r['cuda_us']:9.1f}")
     for r in results:
         if r.get("suite") == "overhead":

@@ -3,12 +3,13 @@
 # benchmarks/make_device_bundle.sh), then run the stages named in STAGES (default: tests bench):
 #   tests     the GPU tests (TEST_FILES, TEST_FILTER) -> $OUT/gpu_tests.txt
 #   sweep     bench_logp.py --suites sweep: launch variants of the fused kernels -> $OUT/h200_sweep.json
-#   calls     bench_logp.py --suites rollout overhead tp: rollout-size calls, host time, TP agreement cost
-#             -> $OUT/h200_calls.json
+#   calls     bench_logp.py --suites rollout overhead tp (CALLS_SUITES): rollout-size calls, host time, TP
+#             agreement cost -> $OUT/h200_calls.json
 #   bench     bench_logp.py --suites main: every provider at 8192 and 32768 rows -> $OUT/h200_bench.json
 #   verl      bench_verl_step.py --suites fsdp compile (VERL_SUITES) -> $OUT/h200_verl_step.json
 #   megatron  bench_verl_step.py --suites megatron: verl's Megatron engine step -> $OUT/h200_megatron_step.json
-#   rollout   bench_rollout.py against each carried vLLM -> $OUT/h200_rollout_<version>.json
+#   rollout   bench_rollout.py (ROLLOUT_ARGS) against each carried vLLM (ROLLOUT_VERSIONS)
+#             -> $OUT/h200_rollout_<version>.json
 #   check     the TP=2 agreement check with each carried vLLM as the rollout side
 # RL_LOGP_FUSED_CONFIG, when set, reaches every stage. Usage (on the GPU machine, from the repo root):
 #   STAGES="tests sweep" bash benchmarks/device_run.sh
@@ -46,7 +47,7 @@ for stage in ${STAGES}; do
       timeout "${SWEEP_TIMEOUT:-300}" python3 -P benchmarks/bench_logp.py --suites sweep --rows 32768 \
         --reps "${REPS:-5}" --out "$OUT/h200_sweep.json" 2>&1 | grep -v '^{' | tail -30 ;;
     calls)
-      timeout "${CALLS_TIMEOUT:-150}" python3 -P benchmarks/bench_logp.py --suites rollout overhead tp \
+      timeout "${CALLS_TIMEOUT:-150}" python3 -P benchmarks/bench_logp.py --suites ${CALLS_SUITES:-rollout overhead tp} \
         --out "$OUT/h200_calls.json" 2>&1 | grep -v '^{' | tail -40 ;;
     bench)
       timeout "${BENCH_TIMEOUT:-330}" python3 -P benchmarks/bench_logp.py --suites main \
@@ -60,7 +61,7 @@ for stage in ${STAGES}; do
     rollout)
       for version in ${ROLLOUT_VERSIONS:-${VLLM_VERSIONS[@]}}; do
         PYTHONPATH="${BASE}:/tmp/vllm-${version}" timeout "${ROLLOUT_TIMEOUT:-240}" python3 -P benchmarks/bench_rollout.py \
-          --reps "${REPS:-20}" --out "$OUT/h200_rollout_${version}.json" 2>&1 | quiet | tee "$OUT/rollout_${version}.txt" | tail -42
+          --reps "${REPS:-20}" ${ROLLOUT_ARGS:-} --out "$OUT/h200_rollout_${version}.json" 2>&1 | quiet | tee "$OUT/rollout_${version}.txt" | tail -42
       done ;;
     check)
       for version in "${VLLM_VERSIONS[@]}"; do

@@ -3,8 +3,8 @@ keeps the contract's kept set (`rl_logp.sampling_mask`).
 
 Patched, where the installed vLLM has them (probed, not assumed; 0.24.0 and 0.34.0 are tested):
 - Model Runner V1 (vLLM <= 0.2x): `vllm.v1.sample.sampler.Sampler.compute_logprobs` (full-vocab logprobs,
-  written on CUDA by one Triton pass, `rl_logp.kernels.full_logprobs`; the sampled token, top-k and ranks
-  of every `logprobs_mode` are gathered from it by vLLM's own code).
+  `rl_logp.full_logprobs`, one kernel launch on CUDA; the sampled token, top-k and ranks of every
+  `logprobs_mode` are gathered from it by vLLM's own code).
 - V1 processed modes: `TopKTopPSampler.forward_native` / `forward_cpu` (they call log_softmax on the
   processed logits themselves). Samplers bind `forward` when constructed: apply before the engine starts
   (the `vllm.general_plugins` entry point does).
@@ -71,43 +71,32 @@ def try_import(name: str):
         return None
 
 
-def full_vocab_logprobs(logits: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:
-    """A new fp32 [B, V] tensor `(fp32(x) - M) - L`: one Triton pass on CUDA (`rl_logp.kernels.full_logprobs`:
-    one read, one write), the same two subtractions as torch ops elsewhere (same bits)."""
-    if logits.is_cuda and logits.stride(1) == 1 and rl_logp.fused_runs_on(logits.device):
-        from rl_logp.kernels.full_logprobs import full_logprobs
-
-        return full_logprobs(logits, row_max.contiguous(), log_sum.contiguous())
-    out = logits.to(torch.float32, copy=True).sub_(row_max.unsqueeze(1))
-    return out.sub_(log_sum.unsqueeze(1))
-
-
 def make_compute_logprobs(config: LogpConfig):
-    """Drop-in for V1 `Sampler.compute_logprobs(logits) -> fp32 [B, V]`."""
+    """Drop-in for V1 `Sampler.compute_logprobs(logits) -> fp32 [B, V]` (`rl_logp.full_logprobs`: one launch
+    on CUDA)."""
 
     def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
-        row_max, log_sum = rl_logp.log_normalizer(logits, config=config)
-        return full_vocab_logprobs(logits, row_max, log_sum)
+        return rl_logp.full_logprobs(logits, config=config)
 
     return compute_logprobs
 
 
 def make_compute_token_logprobs(config: LogpConfig):
-    """Drop-in for V2 `compute_token_logprobs(logits, token_ids) -> fp32 [B, K]`."""
+    """Drop-in for V2 `compute_token_logprobs(logits, token_ids) -> fp32 [B, K]` (`rl_logp.column_logprobs`:
+    one launch on CUDA)."""
 
     def compute_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        row_max, log_sum = rl_logp.log_normalizer(logits, config=config)
-        picked = logits.gather(1, token_ids.to(torch.int64)).to(torch.float32)
-        return picked.sub_(row_max.unsqueeze(1)).sub_(log_sum.unsqueeze(1))
+        return rl_logp.column_logprobs(logits, token_ids, config=config)
 
     return compute_token_logprobs
 
 
 def apply_temperature_ieee(logits: torch.Tensor, expanded_idx_mapping: torch.Tensor, temperature: torch.Tensor) -> None:
     """Drop-in for V2 `apply_temperature(logits, expanded_idx_mapping, temperature)`, in place: the
-    contract's IEEE fp32 division; rows whose temperature is 0 (greedy) or 1 are left as they are."""
-    t = temperature[expanded_idx_mapping.to(torch.int64)].to(torch.float32)
-    logits.div_(torch.where((t == 0.0) | (t == 1.0), torch.ones_like(t), t).unsqueeze(1))
+    contract's IEEE fp32 division; rows whose temperature is 0 (greedy) divide by 1 (x / 1 is x, as for
+    rows at T = 1), so they are left as they are."""
+    t = temperature.index_select(0, expanded_idx_mapping).to(torch.float32)
+    logits.div_(t.masked_fill_(t == 0.0, 1.0).unsqueeze(1))
 
 
 def make_processed_logprobs_forward(original, config: LogpConfig):

@@ -5,6 +5,6 @@ nothing from the package above them.
 fixed-point sums), shared by the kernels; `row_stats`: the forward kernel (row max, sums, the finished
 logp / lse / entropy); `grad`: the backward kernel (the row-local gradient of logp and/or entropy);
 `launch`: their launches and launch parameters (`LaunchConfig`); `kept_set`: the rollout's top-k/top-p kept
-set without a sort; `full_logprobs`: the full-vocabulary logprobs `(z - M) - L` in one pass (vLLM V1). Importing this package never needs a GPU;
-importing its modules needs Triton.
+set without a sort (its launches and `KeptSetLaunch`), `kept_set_select`: that kernel's per-row selection.
+Importing this package never needs a GPU; importing its modules needs Triton.
 """

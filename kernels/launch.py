@@ -91,10 +91,13 @@ def _quant(vocab: int, bits: int, chunk: int, lane: int, quant: int) -> int:
 
 
 def forward_launch(x, labels, temp_mode, temp_rows, t_scalar, max_in, outs, sums, bits, entropy, max_from, result,
-                   cfg) -> tuple[tuple[int], tuple, dict]:
+                   cfg, out_full=None) -> tuple[tuple[int], tuple, dict]:
     """(grid, positional arguments, options) of one `row_stats_kernel` launch."""
     n, vocab = x.shape
-    args = (x, x.stride(0), labels, temp_rows, t_scalar, max_in, *outs, *sums, n, vocab, float(2.0**bits), 2.0**-bits,
+    picks = 1 if labels is None or labels.dim() == 1 else labels.shape[1]
+    full_stride = 0 if out_full is None else out_full.stride(0)
+    args = (x, x.stride(0), labels, picks, temp_rows, t_scalar, max_in, *outs, *sums, out_full, full_stride, n, vocab,
+            float(2.0**bits), 2.0**-bits,
             max_from, result, temp_mode, cfg.div, entropy, cfg.chunk, cfg.lane,
             _quant(vocab, bits, cfg.chunk, cfg.lane, cfg.quant), *split_constants(bits))
     options = {"num_warps": cfg.warps, "enable_fp_fusion": False, "enable_reflect_ftz": cfg.ftz}
@@ -104,9 +107,11 @@ def forward_launch(x, labels, temp_mode, temp_rows, t_scalar, max_in, outs, sums
 def row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, temp_rows: torch.Tensor | None,
               t_scalar: float, bits: int, entropy: bool, out_max: torch.Tensor | None,
               out_log_sum: torch.Tensor | None, out_lse: torch.Tensor | None, out_logp: torch.Tensor | None,
-              out_ent: torch.Tensor | None, cfg: LaunchConfig) -> None:
+              out_ent: torch.Tensor | None, cfg: LaunchConfig, out_full: torch.Tensor | None = None) -> None:
     """Whole rows of x [n, V]: write each output that is given (fp32 [n]): M, L, lse, logp of `labels`
-    (int64 [n]; given with out_logp) and, with `entropy`, the entropy. `cfg.two_pass` needs out_max."""
+    (int64 [n], or [n, K] contiguous with out_logp [n, K]; given with out_logp), with `entropy` the
+    entropy, and into `out_full` (fp32 [n, V], last dimension contiguous) every column's logprob.
+    `cfg.two_pass` needs out_max."""
     outs = (out_max, out_log_sum, out_lse, out_logp, out_ent)
     with on_device(x):
         if cfg.two_pass:
@@ -115,10 +120,11 @@ def row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, temp
                                                  MAX_SCAN.value, RESULT_MAX.value, cfg)
             row_stats_kernel[grid](*args, **options)
             grid, args, options = forward_launch(x, labels, temp_mode, temp_rows, t_scalar, out_max, outs,
-                                                 (None, None), bits, entropy, MAX_GIVEN.value, RESULT_ROW.value, cfg)
+                                                 (None, None), bits, entropy, MAX_GIVEN.value, RESULT_ROW.value, cfg,
+                                                 out_full)
         else:
             grid, args, options = forward_launch(x, labels, temp_mode, temp_rows, t_scalar, None, outs, (None, None),
-                                                 bits, entropy, MAX_SCAN.value, RESULT_ROW.value, cfg)
+                                                 bits, entropy, MAX_SCAN.value, RESULT_ROW.value, cfg, out_full)
         row_stats_kernel[grid](*args, **options)
 
 

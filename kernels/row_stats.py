@@ -9,8 +9,9 @@ A program takes rows `pid, pid + P, pid + 2P, ...` (P programs, persistent). For
    in per-lane exact integers (see `kernels.fixed_point`; a lane adds LANE adjacent terms in registers
    first, so the accumulators take CHUNK / LANE registers), one reduction per row;
 3. `RESULT_ROW`: the row's finish in the kernel (`finalize_row`: L = fp32(log(S 2^-F)) in fp64, the
-   contract's lse, logp = (z[y] - M) - L and the entropy), each output stored where its pointer is
-   given; `RESULT_SUMS`: S and E as int64 (a vocab shard's part of the all-reduced sums);
+   contract's lse, logp = (z[y] - M) - L for each of a row's `n_picks` labels and the entropy), each
+   output stored where its pointer is given; with `OUT_FULL`, a third pass writes (z - M) - L for every
+   column (a rollout's full-vocabulary logprobs); `RESULT_SUMS`: S and E as int64 (a vocab shard's part of the all-reduced sums);
    `RESULT_MAX`: M only (NaN kept; the vocab-parallel provider maps it for its all-reduce).
 No atomics, no workspace, no host sync: one launch per call, capturable in a CUDA graph.
 """
@@ -40,12 +41,15 @@ MAX_GIVEN: tl.constexpr = tl.constexpr(1)
 RESULT_ROW: tl.constexpr = tl.constexpr(0)
 RESULT_SUMS: tl.constexpr = tl.constexpr(1)
 RESULT_MAX: tl.constexpr = tl.constexpr(2)
+PICKS: tl.constexpr = tl.constexpr(16)  # labels of a row scored per step of the finish
 
 
 @triton.jit
-def finalize_row(row, row_max, fixed, entropy_fixed, x_row, LABELS, t, n_cols, log_scale,
+def finalize_row(row, row_max, fixed, entropy_fixed, x_row, LABELS, n_picks, t, n_cols, log_scale,
                  OUT_MAX, OUT_LOGSUM, OUT_LSE, OUT_LOGP, OUT_ENT, TEMP_MODE: tl.constexpr):
-    """The contract's per-row finish (rl_logp/contract.py `finalize`), in the same operations."""
+    """The contract's per-row finish (rl_logp/contract.py `finalize`), in the same operations; returns L.
+    The row's `n_picks` labels (LABELS [n, n_picks], 1 for `logprobs`) each get (z[y] - M) - L, 0 for a
+    label outside [0, n_cols) or a row whose max is -inf."""
     s = fixed.to(tl.float64)
     log_sum = exact_log(s * log_scale)
     bad = (row_max != row_max) | (row_max == float("inf"))
@@ -57,22 +61,26 @@ def finalize_row(row, row_max, fixed, entropy_fixed, x_row, LABELS, t, n_cols, l
     if OUT_LSE is not None:
         tl.store(OUT_LSE + row, tl.where(bad, float("nan"), (row_max.to(tl.float64) + log_sum).to(tl.float32)))
     if OUT_LOGP is not None:
-        label = tl.load(LABELS + row)
-        owned = (label >= 0) & (label < n_cols)
-        picked = tl.load(x_row + tl.where(owned, label, 0))
-        target = scale_logits(picked, t, 0.0, TEMP_MODE, DIV_IEEE)
-        logp = (target - row_max) - log_sum32
-        tl.store(OUT_LOGP + row, tl.where(owned & (row_max != float("-inf")), logp, 0.0))
+        for k in range(0, n_picks, PICKS):
+            ks = k + tl.arange(0, PICKS)
+            inside = ks < n_picks
+            label = tl.load(LABELS + row * n_picks + ks, mask=inside, other=-1)
+            owned = (label >= 0) & (label < n_cols)
+            picked = tl.load(x_row + tl.where(owned, label, 0), mask=inside)
+            target = scale_logits(picked, t, 0.0, TEMP_MODE, DIV_IEEE)
+            logp = tl.where(row_max != float("-inf"), (target - row_max) - log_sum32, 0.0)
+            tl.store(OUT_LOGP + row * n_picks + ks, tl.where(owned, logp, 0.0), mask=inside)
     if OUT_ENT is not None:
         h = log_sum - entropy_fixed.to(tl.float64) / s
         h32 = tl.where(fixed > 0, h, 0.0).to(tl.float32)
         tl.store(OUT_ENT + row, tl.where(bad, float("nan"), h32))
+    return log_sum32
 
 
 @triton.jit
 def row_stats_kernel(
-    X, stride_x, LABELS, TEMP, t_scalar, MAX_IN,
-    OUT_MAX, OUT_LOGSUM, OUT_LSE, OUT_LOGP, OUT_ENT, OUT_S, OUT_E,
+    X, stride_x, LABELS, n_picks, TEMP, t_scalar, MAX_IN,
+    OUT_MAX, OUT_LOGSUM, OUT_LSE, OUT_LOGP, OUT_ENT, OUT_S, OUT_E, OUT_FULL, stride_full,
     n_rows, n_cols, q_scale, log_scale,
     MAX_FROM: tl.constexpr, RESULT: tl.constexpr, TEMP_MODE: tl.constexpr, DIV: tl.constexpr,
     ENTROPY: tl.constexpr, CHUNK: tl.constexpr, LANE: tl.constexpr, QUANT: tl.constexpr,
@@ -128,6 +136,13 @@ def row_stats_kernel(
                 if ENTROPY:
                     tl.store(OUT_E + row, entropy_fixed)
             else:
-                finalize_row(row, row_max, fixed, entropy_fixed, x_row, LABELS, t, n_cols, log_scale,
-                             OUT_MAX, OUT_LOGSUM, OUT_LSE, OUT_LOGP, OUT_ENT, TEMP_MODE)
+                log_sum32 = finalize_row(row, row_max, fixed, entropy_fixed, x_row, LABELS, n_picks, t, n_cols,
+                                         log_scale, OUT_MAX, OUT_LOGSUM, OUT_LSE, OUT_LOGP, OUT_ENT, TEMP_MODE)
+                if OUT_FULL is not None:
+                    full_row = OUT_FULL + row * stride_full
+                    for c in range(0, n_cols, CHUNK):
+                        inside = c + tile < n_cols
+                        xc = tl.load(x_row + c + tile, mask=inside, eviction_policy="evict_first")
+                        z = scale_logits(xc, t, inv_t, TEMP_MODE, DIV)
+                        tl.store(full_row + c + tile, (z - row_max) - log_sum32, mask=inside)
         row += tl.num_programs(0)

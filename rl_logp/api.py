@@ -1,4 +1,5 @@
-"""The public functions: `logprobs`, `entropy`, `logprobs_and_entropy`, `logsumexp`, `log_normalizer`.
+"""The public functions: `logprobs`, `entropy`, `logprobs_and_entropy`, `logsumexp`, `log_normalizer`, and
+the rollout's scores of several columns, `column_logprobs` / `full_logprobs`.
 
 Each turns its arguments into one `LogpRequest` (`_request`: the config, the validated inputs, the
 backend, and with a `tp_group` the agreed vocabulary shard) and scores it: through the ops
@@ -14,13 +15,13 @@ import torch.distributed as dist
 
 from rl_logp import baselines, ops
 from rl_logp.config import LogpConfig, resolve_config
-from rl_logp.engines import INVARIANT_ENGINES, RowStats, resolve_backend
+from rl_logp.engines import INVARIANT_ENGINES, RowStats, make_engine, resolve_backend
 from rl_logp.request import LogpRequest, prepare_inputs
 from rl_logp.shard_layout import LocalLayout, agree
 from rl_logp.validation import check_vocab_fits
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Options:
     """The keyword arguments every public function shares (see `logprobs`)."""
 
@@ -40,18 +41,18 @@ def _config(opts: Options) -> LogpConfig:
 
 
 def _request(logits, labels, temperature, opts: Options, *, entropy: bool, normalizer: bool,
-             inplace_backward: bool) -> LogpRequest:
+             inplace_backward: bool, columns: bool = False, full: bool = False) -> LogpRequest:
     if opts.tp_group is not None:
         return _vocab_parallel_request(logits, labels, temperature, opts, entropy=entropy, normalizer=normalizer,
                                        inplace_backward=inplace_backward)
     if opts.vocab_start is not None or opts.vocab_size is not None:
         raise ValueError("rl_logp: vocab_start/vocab_size describe a vocab split; pass tp_group with them")
     cfg = _config(opts)
-    inputs = prepare_inputs(logits, labels, temperature)
+    inputs = prepare_inputs(logits, labels, temperature, columns=columns)
     engine = resolve_backend(cfg.backend, inputs.logits.device)
     check_vocab_fits(inputs.logits.shape[1], cfg.fixed_point_bits)
     return inputs.request(cfg, engine, entropy=entropy, normalizer=normalizer,
-                          inplace_backward=_inplace_allowed(logits, inplace_backward))
+                          inplace_backward=_inplace_allowed(logits, inplace_backward), full=full)
 
 
 def _vocab_parallel_request(logits, labels, temperature, opts: Options, *, entropy: bool, normalizer: bool,
@@ -123,6 +124,11 @@ def _score(logits, labels, temperature, opts: Options, *, entropy: bool, normali
     return stats, req.lead_shape
 
 
+def _shaped(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """t in the caller's shape (a reshape costs microseconds even when the shape is already right)."""
+    return t if t.shape == shape else t.reshape(shape)
+
+
 def _poisoned(t: torch.Tensor | None, disagreement: torch.Tensor) -> torch.Tensor | None:
     """NaN everywhere when the TP ranks disagreed on this call (found on the device, see shard_layout)."""
     return None if t is None else torch.where(disagreement, float("nan"), t)
@@ -167,7 +173,7 @@ def logprobs(
     """
     opts = Options(backend, tp_group, vocab_start, vocab_size, config, chunk_bytes, fixed_point_bits, strict)
     stats, shape = _score(logits, labels, temperature, opts, entropy=False, inplace_backward=inplace_backward)
-    return stats.logp.reshape(shape)
+    return _shaped(stats.logp, shape)
 
 
 def entropy(
@@ -188,7 +194,7 @@ def entropy(
     NaN or +inf give NaN. Arguments as in `logprobs`."""
     opts = Options(backend, tp_group, vocab_start, vocab_size, config, chunk_bytes, fixed_point_bits, strict)
     stats, shape = _score(logits, None, temperature, opts, entropy=True)
-    return stats.entropy.reshape(shape)
+    return _shaped(stats.entropy, shape)
 
 
 def logprobs_and_entropy(
@@ -210,7 +216,7 @@ def logprobs_and_entropy(
     write of the logits for both gradients). The same bits as the two separate calls."""
     opts = Options(backend, tp_group, vocab_start, vocab_size, config, chunk_bytes, fixed_point_bits, strict)
     stats, shape = _score(logits, labels, temperature, opts, entropy=True, inplace_backward=inplace_backward)
-    return stats.logp.reshape(shape), stats.entropy.reshape(shape)
+    return _shaped(stats.logp, shape), _shaped(stats.entropy, shape)
 
 
 def _normalizer(logits, temperature, opts: Options) -> tuple[RowStats, torch.Size]:
@@ -236,7 +242,7 @@ def logsumexp(
     row shape). Not differentiable. For logprobs of other columns use `log_normalizer`."""
     stats, shape = _normalizer(logits, temperature, Options(backend, config=config, chunk_bytes=chunk_bytes,
                                                             fixed_point_bits=fixed_point_bits))
-    return stats.lse.reshape(shape)
+    return _shaped(stats.lse, shape)
 
 
 def log_normalizer(
@@ -253,4 +259,53 @@ def log_normalizer(
     logprobs) subtracts. Not differentiable."""
     stats, shape = _normalizer(logits, temperature, Options(backend, config=config, chunk_bytes=chunk_bytes,
                                                             fixed_point_bits=fixed_point_bits))
-    return stats.row_max.reshape(shape), stats.log_sum.reshape(shape)
+    return _shaped(stats.row_max, shape), _shaped(stats.log_sum, shape)
+
+
+def _rollout_scores(logits, columns, temperature, opts: Options, *, full: bool) -> RowStats:
+    """One forward of an invariant engine straight from the engine (no op, no autograd): what a rollout
+    engine asks at every decode step, in one launch on the fused path."""
+    with torch.no_grad():
+        req = _request(logits, columns, temperature, opts, entropy=False, normalizer=False, inplace_backward=False,
+                       columns=columns is not None, full=full)
+        if req.engine not in INVARIANT_ENGINES:
+            raise ValueError(f"rl_logp: this function needs an invariant backend (fused/chunked/auto), got {req.engine!r}")
+        return make_engine(req.engine, req.chunk_bytes).row_stats(req)
+
+
+@torch.compiler.disable
+def column_logprobs(
+    logits: torch.Tensor,
+    columns: torch.Tensor,
+    *,
+    backend: str | None = None,
+    temperature: float | torch.Tensor | None = None,
+    config: LogpConfig | dict | None = None,
+    chunk_bytes: int | None = None,
+    fixed_point_bits: int | None = None,
+) -> torch.Tensor:
+    """Logprobs of K columns of each row, fp32 of `columns`' shape (the logits' row shape + [K], int64 or
+    int32 ids): entry k of a row is what `logprobs(logits, ids)` gives for id `columns[..., k]`, bit for
+    bit (0 for an id outside [0, V) or a row of -inf). A rollout's sampled token and top-n logprobs: one
+    kernel launch on the fused path. Not differentiable; runs eagerly under torch.compile."""
+    opts = Options(backend, config=config, chunk_bytes=chunk_bytes, fixed_point_bits=fixed_point_bits)
+    return _shaped(_rollout_scores(logits, columns, temperature, opts, full=False).logp, columns.shape)
+
+
+@torch.compiler.disable
+def full_logprobs(
+    logits: torch.Tensor,
+    *,
+    backend: str | None = None,
+    temperature: float | torch.Tensor | None = None,
+    config: LogpConfig | dict | None = None,
+    chunk_bytes: int | None = None,
+    fixed_point_bits: int | None = None,
+) -> torch.Tensor:
+    """Every column's logprob, `(z - M) - L` (z = fp32(logits) / T, (M, L) = `log_normalizer`), fp32 of the
+    logits' shape: column j of a row holds the bits `logprobs` gives for label j wherever the row has a
+    finite max (a row of -inf gives NaN, as log_softmax does). A rollout's full-vocabulary logprobs: one
+    kernel launch on the fused path (max pass, sums pass, write pass). Not differentiable; runs eagerly
+    under torch.compile."""
+    opts = Options(backend, config=config, chunk_bytes=chunk_bytes, fixed_point_bits=fixed_point_bits)
+    return _shaped(_rollout_scores(logits, None, temperature, opts, full=True).full, logits.shape)

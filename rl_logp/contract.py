@@ -31,10 +31,13 @@ NEG_INF = float("-inf")
 
 def exp32(t: torch.Tensor) -> torch.Tensor:
     """The contract's fp32 exponential: torch's CUDA `exp` on a GPU (libdevice's `expf`, the kernels' own);
-    on the CPU the fp64 `exp` rounded to fp32. torch's CPU fp32 `exp` was seen to give other bits for the
-    same input in about one process in thirty (the vocab-parallel ranks of one call then disagree); the fp64
-    route is the correctly rounded `expf` but where a result lies within an fp64 ulp of an fp32 rounding
-    boundary, so such a difference no longer reaches the fp32 bits in practice."""
+    on the CPU the fp64 `exp` rounded to fp32 (the correctly rounded `expf` but where a result lies within
+    an fp64 ulp of an fp32 rounding boundary). Why not torch's CPU fp32 `exp`: with it, the vocab-parallel
+    tests whose ranks are separate processes failed now and then (ranks of one call disagreeing; 2 of 5
+    runs of `pytest tests/test_tp_agreement.py tests/test_api_and_config.py -k "workspace or world2"`,
+    0 of 4 with this route). A direct probe (`benchmarks/cpu_exp_determinism.py`: 120 processes, one
+    result each way) did not reproduce a difference, so the cause is not pinned down; this route does not
+    depend on the CPU's vector-math dispatch either way."""
     if t.device.type == "cpu":
         return torch.exp(t.double()).to(torch.float32)
     return torch.exp(t)
@@ -104,29 +107,39 @@ def finalize(
 
 
 def shard_target_logit(x: torch.Tensor, local_labels: torch.Tensor, divisor: torch.Tensor | None) -> torch.Tensor:
-    """z[y] for rows whose label falls inside this [n, c] block, +0.0 elsewhere (fp32 [n]).
+    """z[y] for each label inside this [n, c] block, +0.0 elsewhere (fp32, the labels' shape: [n], or
+    [n, K] for K labels per row).
 
     `+ 0.0` maps -0.0 to +0.0, so summing the owner's value with other shards' zeros is exact.
     """
-    width = x.shape[1]
-    owned = (local_labels >= 0) & (local_labels < width)
+    n, width = x.shape
     if width == 0:
-        return torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
-    index = torch.where(owned, local_labels, torch.zeros_like(local_labels)).unsqueeze(1)
-    value = x.gather(1, index).squeeze(1).to(torch.float32)
+        return torch.zeros(local_labels.shape, dtype=torch.float32, device=x.device)
+    labels = local_labels.reshape(n, -1)
+    owned = (labels >= 0) & (labels < width)
+    value = x.gather(1, torch.where(owned, labels, torch.zeros_like(labels))).to(torch.float32)
     if divisor is not None:
-        value = value / divisor
-    return torch.where(owned, value, torch.zeros_like(value)) + 0.0
+        value = value / (divisor.unsqueeze(1) if divisor.dim() == 1 else divisor)
+    return (torch.where(owned, value, torch.zeros_like(value)) + 0.0).reshape(local_labels.shape)
 
 
 def assemble_logp(
     target_logit: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor, labels: torch.Tensor,
     vocab_size: int,
 ) -> torch.Tensor:
-    """logp = (z[y] - M) - L on rows with a log-probability, 0 elsewhere (fp32)."""
-    logp = (target_logit - row_max) - log_sum
-    valid = (labels >= 0) & (labels < vocab_size) & (row_max != NEG_INF)
-    return torch.where(valid, logp, torch.zeros_like(logp))
+    """logp = (z[y] - M) - L for each label with a log-probability, 0 elsewhere (fp32, the labels' shape)."""
+    rows = (row_max.shape[0], -1)
+    logp = (target_logit.reshape(rows) - row_max.unsqueeze(1)) - log_sum.unsqueeze(1)
+    flat = labels.reshape(rows)
+    valid = (flat >= 0) & (flat < vocab_size) & (row_max.unsqueeze(1) != NEG_INF)
+    return torch.where(valid, logp, torch.zeros_like(logp)).reshape(labels.shape)
+
+
+def full_logprobs(x: torch.Tensor, divisor: torch.Tensor | None, row_max: torch.Tensor,
+                  log_sum: torch.Tensor) -> torch.Tensor:
+    """(z - M) - L for every column of a [n, c] block (fp32 [n, c]): column j holds what `assemble_logp`
+    gives label j wherever M is finite (a row of -inf gives NaN, as log_softmax does)."""
+    return scaled_logits(x, divisor).sub_(row_max.unsqueeze(1)).sub_(log_sum.unsqueeze(1))
 
 
 def grad_scale(grad: torch.Tensor, divisor: torch.Tensor | None) -> torch.Tensor:

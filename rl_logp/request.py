@@ -3,7 +3,8 @@
 It holds the logits as a 2-D block [N, V] (V this rank's slice with a `shard`), the labels as int64 [N]
 global column ids (or None), one `Temperature`, what to compute (`entropy`, `normalizer`: M, L and lse
 for a backward or `log_normalizer`), the engine and its settings, and the in-place-backward flag. The
-ops (`rl_logp.ops`) flatten it to their schema and back; nothing else takes it apart.
+ops (`rl_logp.ops`) flatten it to their schema and back; nothing else takes it apart. Requests are built
+once per call and never changed (plain slotted dataclasses: a frozen one costs a microsecond per call).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from rl_logp.temperature import Temperature
 from rl_logp.validation import check_labels, check_logits, check_temperature
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class LogpRequest:
     logits: torch.Tensor  # [N, V_local] bf16/fp16/fp32, last dimension contiguous
-    labels: torch.Tensor | None  # [N] int64 global column ids; None: no logp
+    labels: torch.Tensor | None  # [N] (or [N, K]: K per row) int64 global column ids; None: no logp
     temperature: Temperature
     entropy: bool
     normalizer: bool  # M, L and lse wanted (a backward, logsumexp, log_normalizer)
@@ -32,6 +33,7 @@ class LogpRequest:
     lead_shape: torch.Size  # the logits' shape without the vocabulary dimension (outputs take it)
     inplace_backward: bool = False
     shard: VocabShard | None = None
+    full: bool = False  # every column's logprob [N, V] wanted (a rollout's full-vocabulary logprobs)
 
     @property
     def rows(self) -> int:
@@ -48,7 +50,7 @@ class LogpRequest:
         return self.logits.shape[1] if self.shard is None else self.shard.vocab_size
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Inputs:
     """Validated public arguments in the engines' shapes, before an engine is chosen."""
 
@@ -58,17 +60,19 @@ class Inputs:
     lead_shape: torch.Size
 
     def request(self, cfg: LogpConfig, engine: str, *, entropy: bool, normalizer: bool,
-                inplace_backward: bool = False, shard: VocabShard | None = None) -> LogpRequest:
+                inplace_backward: bool = False, shard: VocabShard | None = None, full: bool = False) -> LogpRequest:
         return LogpRequest(self.logits, self.labels, self.temperature, entropy, normalizer, engine,
-                           cfg.fixed_point_bits, cfg.chunk_bytes, self.lead_shape, inplace_backward, shard)
+                           cfg.fixed_point_bits, cfg.chunk_bytes, self.lead_shape, inplace_backward, shard, full)
 
 
-def prepare_inputs(logits: object, labels: object | None, temperature: float | torch.Tensor | None) -> Inputs:
+def prepare_inputs(logits: object, labels: object | None, temperature: float | torch.Tensor | None, *,
+                   columns: bool = False) -> Inputs:
     """Validate and flatten without copying, unless the logits are fp64 (scored as fp32(x), the contract
-    being defined on fp32 z; the gradient flows back in fp64) or their last dimension is strided. Nothing
+    being defined on fp32 z; the gradient flows back in fp64) or their last dimension is strided. With
+    `columns`, the labels hold K ids per row (the logits' row shape + [K]) and become [N, K]. Nothing
     here reads a tensor's values, so nothing here syncs with a GPU."""
     x = check_logits(logits)
-    y = None if labels is None else check_labels(labels, x)
+    y = None if labels is None else check_labels(labels, x, columns=columns)
     lead_shape = x.shape[:-1]
     vocab = x.shape[-1]
     n = math.prod(lead_shape)
@@ -78,7 +82,9 @@ def prepare_inputs(logits: object, labels: object | None, temperature: float | t
     if vocab > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
     if y is not None:
-        if y.dim() != 1:
+        if columns:
+            y = y.reshape(n, y.shape[-1])
+        elif y.dim() != 1:
             y = y.reshape(n)
         if y.dtype != torch.int64:
             y = y.to(torch.int64)

@@ -27,7 +27,8 @@ def check_logits(logits: object) -> torch.Tensor:
     return logits
 
 
-def check_labels(labels: object, logits: torch.Tensor) -> torch.Tensor:
+def check_labels(labels: object, logits: torch.Tensor, *, columns: bool = False) -> torch.Tensor:
+    """Labels of the logits' row shape; with `columns`, that shape + [K] (K ids per row)."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"rl_logp: labels must be a torch.Tensor, got {type(labels).__name__}")
     if labels.dtype not in LABEL_DTYPES:
@@ -37,6 +38,14 @@ def check_labels(labels: object, logits: torch.Tensor) -> torch.Tensor:
             f"rl_logp: labels are on {labels.device} but logits on {logits.device}; "
             "move them with labels.to(logits.device)"
         )
+    if columns:
+        if labels.dim() != logits.dim() or labels.shape[:-1] != logits.shape[:-1]:
+            raise ValueError(
+                f"rl_logp: columns have shape {tuple(labels.shape)} but logits {tuple(logits.shape)}; columns "
+                "must have the logits' shape with the last dimension holding K column ids per row, e.g. [N, K] "
+                "for [N, V] logits"
+            )
+        return labels
     if not same_rows(labels.shape, logits.shape[:-1]):
         raise ValueError(
             f"rl_logp: labels have shape {tuple(labels.shape)} but logits {tuple(logits.shape)}; "

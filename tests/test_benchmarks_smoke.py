@@ -79,7 +79,9 @@ def test_bench_logp_smoke(tmp_path):
     invariant = [r for r in main if r["provider"] in ("rl_logp", "rl_logp chunked")]
     assert invariant and all(r["batch_mismatch_rows_of_64"] == 0 for r in invariant)
     rollout = [r for r in report["results"] if r["suite"] == "rollout"]
-    assert {r["provider"] for r in rollout} == {"rl_logp", "torch log_softmax+gather"}
+    assert {r["provider"] for r in rollout} == {
+        "rl_logp", "torch log_softmax+gather", "rl_logp.column_logprobs K=21", "torch log_softmax+gather K=21",
+        "rl_logp.full_logprobs", "torch log_softmax fp32"}
     assert all(r["wall_us"] > 0 and r["host_us"] > 0 for r in rollout)
     assert "x flr" in stdout
 

@@ -18,13 +18,15 @@ from rl_logp.request import LogpRequest
 
 @dataclasses.dataclass
 class RowStats:
-    """Per-row results of a forward over whole rows (fp32 [n] each; None where not asked for)."""
+    """Per-row results of a forward over whole rows (fp32 [n] each; None where not asked for); `logp` has
+    the labels' shape ([n], or [n, K] for K labels per row), `full` every column's logprob ([n, c])."""
 
     row_max: torch.Tensor | None = None
     log_sum: torch.Tensor | None = None
     lse: torch.Tensor | None = None
     logp: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    full: torch.Tensor | None = None
 
 
 class LogpEngine(abc.ABC):
@@ -34,8 +36,8 @@ class LogpEngine(abc.ABC):
 
     @abc.abstractmethod
     def row_stats(self, req: LogpRequest) -> RowStats:
-        """Of whole rows: logp of `req.labels` (given), the entropy (`req.entropy`), and M, L, lse
-        (`req.normalizer`); engines may fill more than asked."""
+        """Of whole rows: logp of `req.labels` (given), the entropy (`req.entropy`), M, L, lse
+        (`req.normalizer`) and every column's logprob (`req.full`); engines may fill more than asked."""
 
     @abc.abstractmethod
     def shard_max(self, req: LogpRequest) -> torch.Tensor:

@@ -88,12 +88,15 @@ class ChunkedEngine(LogpEngine):
         row_max = self.shard_max(req)
         fixed, entropy_fixed = self.shard_sums(req, row_max)
         log_sum, lse, ent = contract.finalize(row_max, fixed, entropy_fixed, req.bits)
-        logp = None
-        if req.labels is not None:
+        logp = full = None
+        if req.labels is not None or req.full:
             divisor = req.temperature.divisor(slice(0, x.shape[0]), x.device)
+        if req.labels is not None:
             target = contract.shard_target_logit(x, req.labels, divisor)
             logp = contract.assemble_logp(target, row_max, log_sum, req.labels, x.shape[1])
-        return RowStats(row_max=row_max, log_sum=log_sum, lse=lse, logp=logp, entropy=ent)
+        if req.full:
+            full = contract.full_logprobs(x, divisor, row_max, log_sum)
+        return RowStats(row_max=row_max, log_sum=log_sum, lse=lse, logp=logp, entropy=ent, full=full)
 
     def grad(self, req: LogpRequest, stats: RowStats, g_logp: torch.Tensor | None, g_entropy: torch.Tensor | None,
              out: torch.Tensor) -> None:

@@ -65,10 +65,13 @@ class FusedEngine(LogpEngine):
             return torch.empty(n, dtype=torch.float32, device=x.device) if wanted else None
 
         normalizer = req.normalizer or self.config.two_pass
+        labels = req.labels
         stats = RowStats(row_max=out(normalizer), log_sum=out(req.normalizer), lse=out(req.normalizer),
-                         logp=out(req.labels is not None), entropy=out(req.entropy))
-        launch.row_stats(x, req.labels, *_temperature_args(req.temperature), req.bits, req.entropy, stats.row_max,
-                         stats.log_sum, stats.lse, stats.logp, stats.entropy, self.config)
+                         logp=None if labels is None else torch.empty(labels.shape, dtype=torch.float32, device=x.device),
+                         entropy=out(req.entropy),
+                         full=torch.empty(x.shape, dtype=torch.float32, device=x.device) if req.full else None)
+        launch.row_stats(x, labels, *_temperature_args(req.temperature), req.bits, req.entropy, stats.row_max,
+                         stats.log_sum, stats.lse, stats.logp, stats.entropy, self.config, stats.full)
         return stats
 
     def shard_max(self, req: LogpRequest) -> torch.Tensor:
