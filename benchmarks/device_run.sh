@@ -11,6 +11,8 @@
 #   rollout   bench_rollout.py (ROLLOUT_ARGS) against each carried vLLM (ROLLOUT_VERSIONS)
 #             -> $OUT/h200_rollout_<version>.json
 #   check     the TP=2 agreement check with each carried vLLM as the rollout side
+#   linear    (issue 27) tests/test_linear.py, then bench_linear.py: rl-logp's fused lm_head + logp beside
+#             verl's fused heads and the unfused path -> $OUT/gpu_linear_tests.txt, $OUT/h200_linear.json
 # RL_LOGP_FUSED_CONFIG, when set, reaches every stage. Usage (on the GPU machine, from the repo root):
 #   STAGES="tests sweep" bash benchmarks/device_run.sh
 set -u
@@ -69,6 +71,13 @@ for stage in ${STAGES}; do
           --rows 4096 --vocab 151936 --backends auto chunked torch flash_attn --json "$OUT/check_gpu_tp2_vllm_${version}.json" \
           2>&1 | quiet | tee "$OUT/check_gpu_${version}.txt" | tail -12
       done ;;
+    # --- issue 27: the invariant fused linear + logp head ---
+    linear)
+      timeout "${LINEAR_TEST_TIMEOUT:-150}" python3 -P -m pytest -q tests/test_linear.py -p no:cacheprovider -rA -v \
+        2>&1 | quiet > "$OUT/gpu_linear_tests.txt"
+      grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/gpu_linear_tests.txt" | tail -25
+      timeout "${LINEAR_TIMEOUT:-240}" python3 -P benchmarks/bench_linear.py --reps "${REPS:-3}" \
+        --out "$OUT/h200_linear.json" 2>&1 | quiet | tee "$OUT/linear.txt" | tail -40 ;;
     *) echo "unknown stage ${stage}" ;;
   esac
 done

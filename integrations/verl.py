@@ -34,7 +34,7 @@ from . import verl_functions as fn
 from .patching import KEEP, PatchSet
 from .verl_megatron import wrap_lm_head_logits_processor
 from .verl_metrics import wrap_calculate_debug_metrics
-from .verl_step import FLAG_BYPASSES, Auditor, wrap_prepare_model_outputs
+from .verl_step import Auditor, wrap_prepare_model_outputs
 
 VERL_PREFIXES = ("verl", "megatron")
 TORCH_FUNCTIONAL = "verl.utils.torch_functional"
@@ -43,6 +43,9 @@ ENGINE_BASE = "verl.workers.engine.base"
 MEGATRON_TP = "verl.utils.megatron.tensor_parallel"
 MEGATRON_ENGINE = "verl.workers.engine.megatron.transformer_impl"
 DEBUG_METRICS = "verl.utils.debug.metrics"
+FUSED_PPO = "verl.utils.experimental.torch_functional.FusedLinearForPPO"
+LINEAR_CE = "verl.utils.kernel.linear_cross_entropy"
+FUSED_FLAG = "use_fused_kernels"
 # Engines whose prepare_model_outputs divides the logits by the temperature inline before rl-logp sees
 # them (bf16 x / bf16(T), or in place); see docs/verl.md.
 INLINE_TEMPERATURE_ENGINES = {
@@ -74,8 +77,11 @@ class Site:
     - `make(parts, original)`: the replacement for one `apply`, from its config, auditor and adopt and
       verl's original.
     - `scores`: it scores logits, so `refuse` puts a raising stand-in there.
-    - `step`: where verl's FSDP step looks it up when it runs (a module, or ENGINE: the step's engine);
-      checked before every step, a binding that is not rl-logp's bypasses the step. None: not read there.
+    - `step`: where verl's FSDP step looks it up when it runs (a module, a class for METHOD, or ENGINE: the
+      step's engine); checked before every step, a binding that is not rl-logp's bypasses the step. None:
+      not read there.
+    - `flag`: checked only in steps whose micro-batch sets this flag (verl's fused heads run only with
+      `use_fused_kernels`).
     """
 
     kind: str
@@ -84,6 +90,7 @@ class Site:
     make: Callable[[_Parts, Callable | None], Callable]
     scores: bool = False
     step: str | None = None
+    flag: str | None = None
 
     @property
     def name(self) -> str:
@@ -118,6 +125,12 @@ SITES = (
          lambda parts, verl: wrap_lm_head_logits_processor(verl, parts.config, parts.auditor)),
     Site(METHOD, f"{ENGINE_BASE}.EngineRegistry", "new", lambda parts, verl: _wrap_registry_new(verl, parts.adopt)),
     Site(FUNCTION, DEBUG_METRICS, "calculate_debug_metrics", lambda parts, verl: wrap_calculate_debug_metrics(verl)),
+    # verl's fused heads (use_fused_kernels=True), looked up when the model's patched forward runs: every
+    # model family's torch/liger forward builds a FusedLinearForPPO, every triton one calls linear_cross_entropy
+    Site(METHOD, FUSED_PPO, "forward", _drop_in(fn.make_fused_linear_for_ppo), scores=True, step=FUSED_PPO,
+         flag=FUSED_FLAG),
+    Site(FUNCTION, LINEAR_CE, "linear_cross_entropy", _drop_in(fn.make_linear_cross_entropy), scores=True,
+         step=LINEAR_CE, flag=FUSED_FLAG),
 )
 ENGINE_SITE = next(site for site in SITES if site.kind == ENGINE)
 
@@ -174,7 +187,7 @@ def refuse(message: str) -> None:
     global _active
     revert()
     logger.error("%s; verl's logp functions in this process raise until it is fixed", message)
-    _install([site for site in SITES if site.scores and site.kind == FUNCTION],
+    _install([site for site in SITES if site.scores and site.kind != ENGINE],
              lambda site, _original: fn.make_refusal(site.name, message))
     _adopt_live_engines(_make_adopt(fn.make_refusal(ENGINE_SITE.attr, message), Auditor(strict=False)))
     _active = None
@@ -219,15 +232,17 @@ def _install(sites: list[Site], make: Callable[[Site, Callable], Callable], audi
             _patches.set_attr(owner, site.attr, value)
             _report.patched.append(site.name)
         if auditor is not None:
-            _expect(auditor, site, value)
+            _expect(auditor, site, value, owner)
 
 
-def _expect(auditor: Auditor, site: Site, value: Callable) -> None:
+def _expect(auditor: Auditor, site: Site, value: Callable, owner: Any = None) -> None:
     """Register the binding verl's FSDP step will look up for `site` (if it reads it): it must be `value`."""
     if site.step == ENGINE:
         auditor.expect(f"the FSDP engine's {site.attr}", None, site.attr, value)
+    elif site.kind == METHOD and site.step is not None:
+        auditor.expect(site.name, owner, site.attr, value, site.flag)
     elif site.step is not None and hasattr(sys.modules.get(site.step), site.attr):
-        auditor.expect(f"{site.step}.{site.attr}", sys.modules[site.step], site.attr, value)
+        auditor.expect(f"{site.step}.{site.attr}", sys.modules[site.step], site.attr, value, site.flag)
 
 
 def _resolve(site: Site) -> tuple[Any, Any]:
@@ -250,17 +265,13 @@ def _resolve(site: Site) -> tuple[Any, Any]:
 
 def _make_adopt(entropy: Callable, auditor: Auditor) -> Callable[[Any], None]:
     """Patch one engine instance: its captured `compute_entropy_from_logits` (kept uncompiled: rl-logp's
-    op is one opaque op already) and the start-up audit (fused kernels, inline temperature)."""
+    op is one opaque op already) and the start-up audit (inline temperature)."""
 
     def adopt(engine: Any) -> None:
         if engine in _adopted:
             return
         _adopted.add(engine)
         name = type(engine).__name__
-        model_config = getattr(engine, "model_config", None)
-        if getattr(model_config, "use_fused_kernels", False):
-            site, why, fix = FLAG_BYPASSES["use_fused_kernels"]
-            auditor.bypass(f"{site} ({name})", why, fix, engine)
         for cls in type(engine).__mro__:
             if cls.__name__ in INLINE_TEMPERATURE_ENGINES:
                 auditor.bypass(

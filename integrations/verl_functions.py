@@ -10,7 +10,10 @@ verl's originals, for reference (verl/utils/torch_functional.py unless named):
 `logprobs_from_logits` line 73, `entropy_from_logits` 231, `entropy_from_logits_with_chunking` 248,
 `calculate_sum_pi_squared_from_logits` 690; `_scale_logits_by_temperature`
 verl/workers/engine/fsdp/transformer_impl.py:98; `vocab_parallel_log_probs_from_logits` and
-`vocab_parallel_entropy[_with_chunking]` verl/utils/megatron/tensor_parallel.py:201, 142, 154.
+`vocab_parallel_entropy[_with_chunking]` verl/utils/megatron/tensor_parallel.py:201, 142, 154;
+`FusedLinearForPPO.forward` verl/utils/experimental/torch_functional.py:229 and `linear_cross_entropy`
+verl/utils/kernel/linear_cross_entropy.py:119 (verl's fused heads, `use_fused_kernels=True`: logp and
+entropy from the hidden states and the lm_head's weight, no logits), both `rl_logp.linear_logprobs`.
 """
 
 from __future__ import annotations
@@ -144,6 +147,39 @@ def make_vocab_parallel_entropy(config: LogpConfig) -> Callable:
         return rl_logp.entropy(vocab_parallel_logits, config=config, tp_group=megatron_tp_group())
 
     return vocab_parallel_entropy
+
+
+def make_fused_linear_for_ppo(config: LogpConfig) -> Callable:
+    """`FusedLinearForPPO.forward(self, hidden_states, vocab_weights, input_ids, temperature=1.0)` for every
+    `impl_backend` (torch, liger): (log_probs, entropy) of the hidden states' logits at `temperature`
+    (the contract's fp32(x) / T), fp32, the labels' shape."""
+
+    def forward(self, hidden_states: torch.Tensor, vocab_weights: torch.Tensor, input_ids: torch.Tensor,
+                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        return rl_logp.linear_logprobs(hidden_states, vocab_weights, input_ids, temperature=temperature, entropy=True,
+                                       config=config)
+
+    return forward
+
+
+def make_linear_cross_entropy(config: LogpConfig) -> Callable:
+    """`linear_cross_entropy(hidden, weight, labels, temperature, reduction, dist_process_group)` (the
+    `triton` fused backend, and Megatron's fused forward with its TP group: `weight` is the rank's vocabulary
+    rows, the gradient of `hidden` the rank's partial, as verl's kernel returns it). Only reduction="none",
+    the one verl 0.9.1 uses."""
+
+    def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                             temperature: float = 1.0, reduction: str = "none",
+                             dist_process_group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if reduction != "none":
+            raise ValueError(
+                f"rl_logp: linear_cross_entropy(reduction={reduction!r}) is not served by rl-logp; use "
+                "reduction='none' and reduce the per-token values, or unset RL_LOGP_BACKEND"
+            )
+        return rl_logp.linear_logprobs(hidden, weight, labels, temperature=temperature, entropy=True,
+                                       tp_group=dist_process_group, config=config)
+
+    return linear_cross_entropy
 
 
 def make_refusal(site: str, message: str) -> Callable:

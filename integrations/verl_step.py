@@ -21,8 +21,9 @@ for the duration of the call (a context variable). The patched functions consult
   distillation top-k, entropy served by the same node or not computed); anything else is out of place.
 
 Fail closed. A step that meets a consumer rl-logp does not serve (a binding the step looks up that is not
-rl-logp's: rebound after `apply`, or an engine that refused the patch; verl's `use_fused_kernels`; the
-distillation top-k processor; anything the `Auditor` flagged on the engine) is a *bypassed* step: the
+rl-logp's: rebound after `apply`, or an engine that refused the patch; with `use_fused_kernels`, verl's
+fused head when it is not rl-logp's `linear_logprobs`; the distillation top-k processor; anything the
+`Auditor` flagged on the engine) is a *bypassed* step: the
 scale step is verl's own (bf16 `x / bf16(T)`), nothing is deferred or combined, so every consumer, rl-logp's
 or not, gets exactly the logits verl gives it. The `Auditor` reports the site first: a warning once per
 site, or `StrictModeError` under `RL_LOGP_STRICT=1` (the step does not run). A consumer of rl-logp's that
@@ -44,13 +45,10 @@ import torch
 logger = logging.getLogger("rl_logp.verl")
 _plan: contextvars.ContextVar[StepPlan | None] = contextvars.ContextVar("rl_logp_verl_step", default=None)
 
-# Micro-batch flags that take the step's logits away from rl-logp: flag -> (site, why, fix).
+# Micro-batch flags that take the step's logits away from rl-logp: flag -> (site, why, fix). verl's
+# `use_fused_kernels` is not one: its fused heads are sites of their own (`integrations.verl.SITES`), audited
+# in the steps that set it.
 FLAG_BYPASSES = {
-    "use_fused_kernels": (
-        "actor_rollout_ref.model.use_fused_kernels=True",
-        "verl's fused linear + cross entropy computes logp and entropy without materialising the logits",
-        "set actor_rollout_ref.model.use_fused_kernels=False",
-    ),
     "distillation_use_topk": (
         "distillation top-k logits processor (distillation_use_topk=True)",
         "verl's top-k distillation loss scores the student logits with torch's log_softmax/logsumexp",
@@ -73,7 +71,7 @@ class Auditor:
     def __init__(self, strict: bool) -> None:
         self.strict = strict
         self._warned: set[str] = set()
-        self._expected: list[tuple[str, Any, str, object]] = []
+        self._expected: list[tuple[str, Any, str, object, str | None]] = []
         self._engines: weakref.WeakSet = weakref.WeakSet()
 
     def bypass(self, site: str, why: str, fix: str, engine: Any = None) -> None:
@@ -92,14 +90,18 @@ class Auditor:
                 message,
             )
 
-    def expect(self, site: str, owner: Any, attr: str, value: object) -> None:
-        """`owner.attr` must be `value` when a step runs (`owner` None: the step's engine)."""
-        self._expected.append((site, owner, attr, value))
+    def expect(self, site: str, owner: Any, attr: str, value: object, flag: str | None = None) -> None:
+        """`owner.attr` must be `value` when a step runs (`owner` None: the step's engine); with `flag`, only
+        in steps whose micro-batch sets that flag."""
+        self._expected.append((site, owner, attr, value, flag))
 
-    def unrouted(self, engine: Any) -> list[str]:
-        """The expected bindings this engine's step would not find, each reported through `bypass`."""
+    def unrouted(self, engine: Any, flagged: Callable[[str], bool]) -> list[str]:
+        """The expected bindings this engine's step would not find (`flagged(flag)`: whether the step sets a
+        flag), each reported through `bypass`."""
         unrouted = []
-        for site, owner, attr, value in self._expected:
+        for site, owner, attr, value, flag in self._expected:
+            if flag is not None and not flagged(flag):
+                continue
             found = getattr(engine if owner is None else owner, attr, value)
             if found is not value:
                 where = f"{getattr(found, '__module__', '?')}.{getattr(found, '__qualname__', found)}"
@@ -175,7 +177,7 @@ def _flag(micro_batch: Any, key: str, default: Any = False) -> Any:
 def fsdp_plan(engine: Any, micro_batch: Any, output_args: dict, auditor: Auditor) -> StepPlan:
     """The plan for one call of verl 0.9.1's FSDP `prepare_model_outputs`, auditing its bindings and flags
     (strict mode raises here, before verl's body runs)."""
-    bypassed = bool(auditor.unrouted(engine))
+    bypassed = bool(auditor.unrouted(engine, lambda key: bool(_flag(micro_batch, key))))
     for key, (site, why, fix) in FLAG_BYPASSES.items():
         if _flag(micro_batch, key):
             auditor.bypass(site, why, fix)

@@ -117,3 +117,23 @@ def test_bench_verl_step_smoke(tmp_path):
     assert not [r for r in report["results"] if "note" in r or "error" in r]
     assert report["stubbed_modules"] == []  # everything verl imports is installed here
     assert "f+b ms" in stdout
+
+
+def test_bench_linear_smoke(tmp_path):
+    """Every provider that runs on the CPU gives a row at each setting; rl-logp's distance from itself is 0
+    and verl's fused head's at T = 0.7 is not (it divides bf16 logits by the temperature)."""
+    report, stdout = _smoke("bench_linear.py", tmp_path / "linear.json")
+    rows = report["results"]
+    assert not [r for r in rows if "error" in r]
+    assert report["not_run"] == {"verl linear_cross_entropy (triton)": "needs a CUDA GPU"}
+    settings = {(r["temperature"], r["entropy"]) for r in rows}
+    assert settings == {(t, e) for t in (1.0, 0.7) for e in (False, True)}
+    for t, e in settings:
+        assert {r["provider"] for r in rows if (r["temperature"], r["entropy"]) == (t, e)} == {
+            "rl_logp linear_logprobs", "verl FusedLinearForPPO (torch)", "torch lm_head + rl_logp"}
+    assert all(r["fwd_bwd_ms"] > 0 for r in rows)
+    ours = [r for r in rows if r["provider"] == "rl_logp linear_logprobs"]
+    assert all(r["logp_max_abs_diff_vs_rl_logp"] == 0 and r["entropy_max_abs_diff_vs_rl_logp"] in (0, None) for r in ours)
+    assert any(r["logp_max_abs_diff_vs_rl_logp"] > 0 for r in rows
+               if r["provider"].startswith("verl") and r["temperature"] == 0.7)
+    assert "report written" in stdout

@@ -170,20 +170,24 @@ def test_an_engine_that_refuses_the_patch_is_reported_and_fails_strict_mode():
     assert frozen.compute_entropy_from_logits is tf.entropy_from_logits
 
 
-def test_strict_mode_refuses_a_live_fused_kernel_engine_and_leaves_verl_unpatched():
+def test_strict_mode_adopts_a_live_fused_kernel_engine_whose_head_is_rl_logp_s():
+    """use_fused_kernels=True is routed (verl's fused heads become rl_logp.linear_logprobs), not refused."""
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+    from verl.utils.kernel import linear_cross_entropy as lce
+
     gc.collect()
     fused = _engine_like(compiled=False)
     fused.model_config.use_fused_kernels = True
     adapter.revert()
-    with pytest.raises(StrictModeError, match=r"use_fused_kernels=True \(FSDPEngineWithLMHead\)"):
-        adapter.apply(backend="chunked", strict=True)
-    assert tf.logprobs_from_logits.__module__ == "verl.utils.torch_functional"
-    assert adapter.active_config() is None
-    adapter.apply(backend="chunked")  # not strict: warns and patches
+    verl_forward, verl_lce = FusedLinearForPPO.forward, lce.linear_cross_entropy
+    adapter.apply(backend="chunked", strict=True)
     try:
         assert fused.compute_entropy_from_logits.__module__ == "rl_logp.integrations.verl_functions"
+        for patched in (FusedLinearForPPO.forward, lce.linear_cross_entropy):
+            assert patched.__module__ == "rl_logp.integrations.verl_functions"
     finally:
         adapter.revert()
+    assert FusedLinearForPPO.forward is verl_forward and lce.linear_cross_entropy is verl_lce
 
 
 def test_strict_mode_refuses_engines_that_divide_by_the_temperature_themselves():

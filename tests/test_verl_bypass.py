@@ -1,12 +1,14 @@
-"""Fail closed on every bypass of verl 0.9.1's FSDP step, strict or not (issue 22).
+"""Fail closed on every bypass of verl 0.9.1's FSDP step, strict or not (issue 22), and verl's fused heads routed
+to `rl_logp.linear_logprobs` (issue 27).
 
 verl's own `prepare_model_inputs`, a tiny Qwen2's forward and `prepare_model_outputs`
 (`tests/verl_step/engine_step.py`) at T = 0.7, after `apply()`, with one of the sites the step reads
-rebound (as another library wrapping verl's function, or a user, would), an engine that refuses the patch,
-or verl's fused kernels. Not strict: the step is bypassed, so the rebound site returns exactly what verl's
-own step returns (the same function run unpatched, bit for bit), every consumer still rl-logp's scores the
-logits verl's own temperature step returned, and fused kernels give verl's own numbers. Strict: the step
-raises `StrictModeError` naming the site. Before the fix, not strict, the rebound sites' outputs here
+rebound (as another library wrapping verl's function, or a user, would), or an engine that refuses the
+patch. Not strict: the step is bypassed, so the rebound site returns exactly what verl's own step returns
+(the same function run unpatched, bit for bit), every consumer still rl-logp's scores the logits verl's own
+temperature step returned, and a rebound fused head gives verl's own numbers. Strict: the step raises
+`StrictModeError` naming the site. verl's fused kernels (`use_fused_kernels=True`), patched, give
+`rl_logp.linear_logprobs`'s bits, strict or not. Before the fix, not strict, the rebound sites' outputs here
 differed from stock verl's on 24 to 33 of 33 tokens (logp at T = 1; the tiny model's logits are small, so
 by at most 0.125 nats; on lm_head-like logits a rebound `logprobs_from_logits` was up to 7.7 nats off).
 """
@@ -18,6 +20,7 @@ import logging
 import pytest
 import torch
 import verl  # noqa: F401  (plain import: a broken verl install fails here instead of skipping)
+import verl.utils.experimental.torch_functional as fused_torch
 import verl.utils.torch_functional as tf
 import verl.workers.engine.fsdp.transformer_impl as fsdp_engine
 from helpers import HAS_CUDA, mismatches, needs_cuda
@@ -192,25 +195,88 @@ def test_an_engine_that_refuses_the_patch_gets_verl_s_own_logits_or_raises(model
     assert mismatches(got["log_probs"], _on_verl_s_scaling(logits)["log_probs"]) == 0
 
 
+def _fused_run(model, engine, batch):
+    """es.run, plus the base model's hidden states and the labels the fused head scored (`shift_labels`
+    with remove-padding, else the padded input ids rolled, as verl's fused forward does)."""
+    seen = {}
+    hooks = [model.model.register_forward_hook(lambda m, args, out: seen.__setitem__("hidden", out[0])),
+             model.register_forward_pre_hook(lambda m, args, kwargs: seen.__setitem__("inputs", kwargs),
+                                             with_kwargs=True)]
+    try:
+        got, logits = es.run(engine, batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    inputs = seen["inputs"]
+    labels = inputs.get("shift_labels")
+    return got, logits, seen["hidden"], torch.roll(inputs["input_ids"], -1, -1) if labels is None else labels
+
+
+def _packed(values: torch.Tensor) -> torch.Tensor:
+    """[1, N] (remove-padding) or padded [B, S] per-token values as verl packs them: the valid tokens in order."""
+    if values.shape[0] == 1:
+        return values[0]
+    mask = torch.arange(values.shape[1], device=values.device) < torch.tensor(es.LENGTHS, device=values.device)[:, None]
+    return values[mask]
+
+
 @pytest.mark.parametrize("rmpad", [True, False], ids=["rmpad", "padded"])
 @pytest.mark.parametrize("backend", ["torch", "liger"])
 @pytest.mark.parametrize("strict", [False, True], ids=["warn", "strict"])
-def test_verl_s_fused_kernels_give_verl_s_own_numbers_or_raise(backend, rmpad, strict):
+def test_verl_s_fused_kernels_give_rl_logp_linear_logprobs_bits(backend, rmpad, strict):
     """verl's fused forward (`FusedLinearForPPO`; its "liger" backend is Liger's fused linear cross entropy
     where `liger_kernel` imports, else verl's torch implementation) scores the hidden states without
-    materialising logits: no site rl-logp patches runs. Patched and not strict, the step returns verl's own
-    numbers; strict, it raises. On a CUDA machine it runs there (Liger's kernels need it)."""
+    materialising logits; patched, that head is `rl_logp.linear_logprobs`: logp and entropy are the bits of
+    rl-logp on `linear_logits(hidden, lm_head.weight)` at T, strict mode included (nothing is bypassed).
+    On a CUDA machine it runs there (Liger's kernels need it)."""
     device = "cuda" if HAS_CUDA else "cpu"
     model = es.make_model(fused_backend=backend, device=device)
     batch = es.micro_batch(T, device, calculate_entropy=True, use_fused_kernels=True, use_remove_padding=rmpad)
-    _apply(strict)
-    engine = es.make_engine(model, fused=True)  # adopted on its first step
-    ran = _patched_then_stock(engine, batch, strict, refusal="use_fused_kernels=True")
-    if ran is None:
-        return
-    got, logits, stock = ran
+    gc.collect()
+    cfg = adapter.apply(backend="chunked", strict=strict)
+    try:
+        engine = es.make_engine(model, fused=True)  # adopted on its first step
+        with torch.no_grad():
+            got, logits, hidden, labels = _fused_run(model, engine, batch)
+    finally:
+        adapter.revert()
     assert logits is None  # the lm_head never ran
     assert set(got) == {"log_probs", "entropy"}
+    weight = model.lm_head.weight
+    logp, ent = rl_logp.linear_logprobs(hidden, weight, labels, temperature=T, entropy=True, config=cfg)
+    x = rl_logp.linear_logits(hidden, weight, config=cfg)
+    unfused = rl_logp.logprobs_and_entropy(x, labels, temperature=T, config=cfg)
+    for name, want, also in (("log_probs", logp, unfused[0]), ("entropy", ent, unfused[1])):
+        assert mismatches(got[name], _packed(want)) == 0, name
+        assert mismatches(want, also) == 0, name
+
+
+VERL_FUSED_FORWARD = fused_torch.FusedLinearForPPO.forward
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["warn", "strict"])
+def test_a_fused_head_rebound_after_apply_gives_verl_s_own_numbers_or_raises(monkeypatch, caplog, strict):
+    """`FusedLinearForPPO.forward` rebound after `apply` (to a wrapper of verl's own): not strict, the step
+    warns and returns stock verl's numbers; strict, it raises naming the site."""
+    model = es.make_model(fused_backend="torch")
+    batch = es.micro_batch(T, calculate_entropy=True, use_fused_kernels=True)
+    _apply(strict)
+    engine = es.make_engine(model, fused=True)
+    try:
+        with torch.no_grad(), monkeypatch.context() as m:
+            m.setattr(fused_torch.FusedLinearForPPO, "forward", _wrapped(VERL_FUSED_FORWARD))
+            if strict:
+                with pytest.raises(StrictModeError, match=r"FusedLinearForPPO\.forward"):
+                    es.run(engine, batch)
+                return
+            with caplog.at_level(logging.WARNING, logger="rl_logp.verl"):
+                got, _ = es.run(engine, batch)
+    finally:
+        adapter.revert()
+    assert any("FusedLinearForPPO.forward" in r.getMessage() and "does not route through rl-logp" in r.getMessage()
+               for r in caplog.records)
+    with torch.no_grad():
+        stock, _ = es.run(engine, batch)
     for name, value in got.items():
         assert mismatches(value, stock[name]) == 0, name
 

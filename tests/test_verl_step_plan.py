@@ -20,10 +20,13 @@ import verl.workers.engine.fsdp.transformer_impl as fsdp_engine
 from helpers import mismatches
 from verl.trainer.distillation.losses import distillation_ppo_loss
 from verl.utils import tensordict_utils as tu
+from verl.utils.experimental.torch_functional import FusedLinearForPPO
 
 import rl_logp
 from rl_logp.integrations import verl as adapter
 from rl_logp.integrations.verl_step import StrictModeError
+
+VERL_FUSED_FORWARD = FusedLinearForPPO.forward
 
 VOCAB, HIDDEN, TOPK = 1031, 24, 4
 LENGTHS = [9, 5, 12, 7]
@@ -280,9 +283,12 @@ def test_strict_mode_names_the_site_on_the_first_step_and_warns_once_otherwise(c
             with pytest.raises(StrictModeError, match=r"transformer_impl\.logprobs_from_logits .*bound to "
                                                       r"verl\.utils\.torch_functional\.logprobs_from_logits"):
                 _run(step, 0.7)
-        with pytest.raises(StrictModeError, match=r"use_fused_kernels=True"):
-            _engine().prepare_model_outputs(None, step.output_args(1.0, True),
-                                            step.micro_batch(use_fused_kernels=True), None)
+        with monkeypatch.context() as m:  # verl's own fused head: only steps with use_fused_kernels read it
+            m.setattr(FusedLinearForPPO, "forward", VERL_FUSED_FORWARD)
+            _run(step, 0.7)
+            with pytest.raises(StrictModeError, match=r"FusedLinearForPPO\.forward .*bound to"):
+                _engine().prepare_model_outputs(None, step.output_args(1.0, True),
+                                                step.micro_batch(use_fused_kernels=True), None)
         adapter.apply(backend="chunked")
         with caplog.at_level(logging.WARNING, logger="rl_logp.verl"):
             _run(step, 1.0, distill=True, entropy=False)
