@@ -26,13 +26,38 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-TEMP_NONE: tl.constexpr = tl.constexpr(0)  # no temperature: z = fp32(x)
-TEMP_SCALAR: tl.constexpr = tl.constexpr(1)  # one float for every row (`t_scalar`)
-TEMP_ROWS: tl.constexpr = tl.constexpr(2)  # one fp32 value per row (`TEMP[row]`)
-DIV_IEEE: tl.constexpr = tl.constexpr(0)  # div_rn per element
-DIV_RECIPROCAL: tl.constexpr = tl.constexpr(1)  # x (1/T) + one fma correction, same bits (see row_reciprocal)
-QUANT_CAST: tl.constexpr = tl.constexpr(0)  # q(t) by a float-to-int64 conversion
-QUANT_SPLIT: tl.constexpr = tl.constexpr(1)  # q(t) from two round-toward-zero adds (F <= 40)
+class Named(tl.constexpr):
+    """A module-level constant of the kernels (a mode or a size), used in them as any `tl.constexpr`.
+
+    At every launch Triton 3.6 compares each global a kernel used with the value it was compiled with
+    (`current != compiled`), and `tl.constexpr` answers a comparison with a new constexpr (about a
+    microsecond each on the host, for each of a kernel's named constants, at each launch). A `Named`
+    answers a comparison with a constant or a Python number with one of two prebuilt constexprs; anything
+    else (a tensor) gets tl.constexpr's own comparison.
+    """
+
+    def __eq__(self, other):
+        if isinstance(other, (tl.constexpr, int, float)):
+            return _TRUE if self.value == getattr(other, "value", other) else _FALSE
+        return super().__eq__(other)
+
+    def __ne__(self, other):
+        if isinstance(other, (tl.constexpr, int, float)):
+            return _FALSE if self.value == getattr(other, "value", other) else _TRUE
+        return super().__ne__(other)
+
+    __hash__ = tl.constexpr.__hash__
+
+
+_TRUE, _FALSE = tl.constexpr(True), tl.constexpr(False)
+
+TEMP_NONE: tl.constexpr = Named(0)  # no temperature: z = fp32(x)
+TEMP_SCALAR: tl.constexpr = Named(1)  # one float for every row (`t_scalar`)
+TEMP_ROWS: tl.constexpr = Named(2)  # one fp32 value per row (`TEMP[row]`)
+DIV_IEEE: tl.constexpr = Named(0)  # div_rn per element
+DIV_RECIPROCAL: tl.constexpr = Named(1)  # x (1/T) + one fma correction, same bits (see row_reciprocal)
+QUANT_CAST: tl.constexpr = Named(0)  # q(t) by a float-to-int64 conversion
+QUANT_SPLIT: tl.constexpr = Named(1)  # q(t) from two round-toward-zero adds (F <= 40)
 
 SPLIT_HI_BITS = 20  # the split's high part: trunc(t 2^20)
 MAX_SPLIT_BITS = 40  # the split needs F - 20 <= 20

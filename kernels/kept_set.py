@@ -28,14 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .fixed_point import INTERPRET, max_all
+from .fixed_point import INTERPRET, Named, max_all
 from .kept_set_select import cut_value, first_counts, range_max, write_cut
 
-MODE_FUSED: tl.constexpr = tl.constexpr(0)  # rows end to end, writes included
-MODE_SELECT: tl.constexpr = tl.constexpr(1)  # the split plan's launch 3: c per row from the ranges' results
-PHASE_MAX: tl.constexpr = tl.constexpr(0)  # split launch 1: each range's max
-PHASE_COUNT: tl.constexpr = tl.constexpr(1)  # split launch 2: each range's counts and mass
-PHASE_WRITE: tl.constexpr = tl.constexpr(2)  # split launch 4: each range written, its smallest kept value
+MODE_FUSED: tl.constexpr = Named(0)  # rows end to end, writes included
+MODE_SELECT: tl.constexpr = Named(1)  # the split plan's launch 3: c per row from the ranges' results
+PHASE_MAX: tl.constexpr = Named(0)  # split launch 1: each range's max
+PHASE_COUNT: tl.constexpr = Named(1)  # split launch 2: each range's counts and mass
+PHASE_WRITE: tl.constexpr = Named(2)  # split launch 4: each range written, its smallest kept value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,12 +26,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fixed_point import exact_exp, max_all, max_nan
+from .fixed_point import Named, exact_exp, max_all, max_nan
 
-KEY_NEG_INF: tl.constexpr = tl.constexpr(-2139095041)  # the key of -inf (0xFF800000 ^ 0x7FFFFFFF)
-KEY_NONE: tl.constexpr = tl.constexpr(-2147483648)  # below every key of a non-NaN value: scratch padding
-LOW31: tl.constexpr = tl.constexpr((1 << 31) - 1)
-BOUND_SLACK: tl.constexpr = tl.constexpr(2.0**-20)  # relative margin on exp's last bits in the mass bounds
+KEY_NEG_INF: tl.constexpr = Named(-2139095041)  # the key of -inf (0xFF800000 ^ 0x7FFFFFFF)
+KEY_NONE: tl.constexpr = Named(-2147483648)  # below every key of a non-NaN value: scratch padding
+LOW31: tl.constexpr = Named((1 << 31) - 1)
+BOUND_SLACK: tl.constexpr = Named(2.0**-20)  # relative margin on exp's last bits in the mass bounds
 
 @triton.jit
 def _key(z):

@@ -24,6 +24,7 @@ import triton.language as tl
 from .fixed_point import (
     DIV_IEEE,
     TEMP_NONE,
+    Named,
     accumulate,
     bad_temperature,
     exact_log,
@@ -36,12 +37,12 @@ from .fixed_point import (
     zero_accumulators,
 )
 
-MAX_SCAN: tl.constexpr = tl.constexpr(0)
-MAX_GIVEN: tl.constexpr = tl.constexpr(1)
-RESULT_ROW: tl.constexpr = tl.constexpr(0)
-RESULT_SUMS: tl.constexpr = tl.constexpr(1)
-RESULT_MAX: tl.constexpr = tl.constexpr(2)
-PICKS: tl.constexpr = tl.constexpr(16)  # labels of a row scored per step of the finish
+MAX_SCAN: tl.constexpr = Named(0)
+MAX_GIVEN: tl.constexpr = Named(1)
+RESULT_ROW: tl.constexpr = Named(0)
+RESULT_SUMS: tl.constexpr = Named(1)
+RESULT_MAX: tl.constexpr = Named(2)
+PICKS: tl.constexpr = Named(16)  # labels of a row scored per step of the finish
 
 
 @triton.jit
