@@ -15,6 +15,18 @@ Checked against rl-logp computed here on the logits the script captured from eac
   reports `rl_logp/rollout_train_mismatch_tokens` 0 and `.../max_abs_diff` 0.0.
 - off: stock verl differs from rl-logp on the old log-probs, entropies and ref log-probs, and stock vLLM's
   rollout logp differs from stock verl's old log-probs (the metric's count is not 0).
+
+Then, in the same two processes, `use_fused_kernels=True` (verl's torch backend, `FusedLinearForPPO`,
+which rl-logp replaces with `rl_logp.linear_logprobs`) at T = 0.7 and 1.0, remove-padding on and off, on a
+second random Qwen2 with tied embeddings (verl 0.9.1's FSDP2 fused path fails with an untied `lm_head`;
+see the script's docstring): the trainer's three steps, no rollout side. No logits exist there, so the
+script captures what the fused head received (the final norm's output and `lm_head.weight`), and the
+results are checked against `rl_logp.linear_logprobs(hidden, weight, tokens, temperature=T,
+entropy=True)` on those:
+- on: old log-probs, entropies and ref log-probs are its bits (0 differing tokens); `lm_head` was never
+  called; the update ran (one fused forward per micro-batch) with ppo_kl 0.
+- off: stock verl's fused head differs from it on all three, while staying close (rtol = atol = 1e-2:
+  the captured inputs are what that head scored).
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ from rl_logp.integrations.verl_metrics import MAX_ABS_DIFF_KEY, MISMATCH_KEY, ro
 SCRIPT = Path(__file__).parent / "verl_step" / "worker_step.py"
 VOCAB = 151936
 CASES = [(rmpad, t) for rmpad in (True, False) for t in (0.7, 1.0)]
+FUSED_KEYS = (("old_log_probs", "old", 0), ("entropys", "old", 1), ("ref_log_prob", "ref", 0))
 
 
 def _load_script():
@@ -48,14 +61,17 @@ def _load_script():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("verl_step")
-    model = root / "model"
-    _load_script().make_model(str(model), VOCAB)
+    model, tied = root / "model", root / "tied"
+    script = _load_script()
+    script.make_model(str(model), VOCAB)
+    script.make_model(str(tied), VOCAB, tie_word_embeddings=True)
     base = {k: v for k, v in os.environ.items() if not k.startswith("RL_LOGP_")}
     envs = {"on": {**base, "RL_LOGP_BACKEND": "auto", "RL_LOGP_STRICT": "1", "MASTER_PORT": "29541"},
             "off": {**base, "MASTER_PORT": "29542"}}
     procs = {
         name: subprocess.Popen(
-            [sys.executable, str(SCRIPT), "--model", str(model), "--vocab", str(VOCAB), "--out", str(root / name)],
+            [sys.executable, str(SCRIPT), "--model", str(model), "--vocab", str(VOCAB), "--out", str(root / name),
+             "--fused-model", str(tied)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for name, env in envs.items()
@@ -118,3 +134,42 @@ def test_stock_verl_differs_negative_control(runs, rmpad, temperature):
     assert agreement[MISMATCH_KEY] > 0
     assert agreement[MAX_ABS_DIFF_KEY] > 0.0
     assert not torch.equal(bits(batch["rollout_log_probs"]), bits(batch["old_log_probs"].float()))
+
+
+def _fused_pairs(case: dict, key: str, inputs: str, which: int, temperature: float):
+    """(the trainer's `key`, rl_logp.linear_logprobs on the captured `inputs`) for each sequence's response;
+    `which`: 0 log-probs, 1 entropies."""
+    batch = case["batch"]
+    for i, hidden in enumerate(case[f"{inputs}_hidden"]):
+        length = hidden.shape[0]
+        tokens = batch["responses"][i, :length]
+        want = rl_logp.linear_logprobs(hidden, case[f"{inputs}_weight"], tokens, temperature=temperature,
+                                       entropy=True)[which]
+        yield batch[key][i, :length].float(), want
+
+
+@pytest.mark.parametrize("rmpad,temperature", CASES)
+def test_fused_rl_logp_on_trainer_log_probs_and_entropies_are_linear_logprobs_bits(runs, rmpad, temperature):
+    case = runs["on"][("fused", rmpad, temperature)]
+    for key, inputs, which in FUSED_KEYS:
+        pairs = list(_fused_pairs(case, key, inputs, which, temperature))
+        total = sum(got.numel() for got, _ in pairs)
+        differ = sum(mismatches(got, want) for got, want in pairs)
+        assert total == 24
+        assert differ == 0, f"fused {key}: {differ}/{total} tokens differ from rl_logp.linear_logprobs"
+    assert case["lm_head_calls"] == 0  # no logits: the fused forward never calls lm_head
+    assert case["update_forwards"] == 2  # _update_actor ran one fused forward per micro-batch
+    assert case["update_metrics"]["actor/ppo_kl"] == [0.0]  # importance ratio exactly 1
+
+
+@pytest.mark.parametrize("rmpad,temperature", CASES)
+def test_fused_stock_verl_differs_negative_control(runs, rmpad, temperature):
+    case = runs["off"][("fused", rmpad, temperature)]
+    assert case["lm_head_calls"] == 0
+    for key, inputs, which in FUSED_KEYS:
+        pairs = list(_fused_pairs(case, key, inputs, which, temperature))
+        differ = sum(mismatches(got, want) for got, want in pairs)
+        print(f"stock verl fused rmpad={rmpad} T={temperature} {key}: {differ}/24 tokens differ from rl-logp")
+        assert differ > 0
+        for got, want in pairs:  # the captured inputs are what stock verl's head scored
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)

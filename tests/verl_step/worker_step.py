@@ -7,6 +7,17 @@ does). For each remove-padding setting and temperature it records the logits the
 produced (a forward hook on `lm_head`), the tokens, and what the trainer got back (old log-probs,
 entropies, ref log-probs, the actor-update metrics), and writes them to `--out` (torch.save).
 
+With `--fused-model` it then runs the trainer's three steps (not the rollout side) again with
+`actor_rollout_ref.model.use_fused_kernels=True` (verl's torch backend: the model's forward becomes
+`forward_with_torch_backend`, which hands the final hidden states and `lm_head.weight` to
+`FusedLinearForPPO` and never materialises logits) and records what that head received: the final norm's
+output (a forward hook) and the `lm_head.weight` read at that moment. These cases run last, because verl's
+fused patch replaces the model class's `forward` for the whole process, and on a second model with tied
+embeddings: verl 0.9.1's FSDP2 wraps an untied `lm_head` as its own FSDP unit, which the fused forward never
+calls, so its weight is still the sharded DTensor and the fused matmul fails ("aten.mm.default got mixed
+torch.Tensor and DTensor"; a verl limitation, not a CPU one). A tied `lm_head` belongs to the root unit,
+unsharded for the forward.
+
 CPU shims (verl 0.9.1 supports CUDA and NPU only; nothing here changes how a logit is scored):
 1. platform: a `PlatformCUDA` subclass whose device is `cpu` (module `torch.cpu`, given zero memory
    statistics and no-op cache/seed functions where it has none) and whose collective backend is gloo, installed with verl's `set_platform`; the FSDP engine
@@ -111,19 +122,19 @@ def stub_missing_server_modules() -> None:
             sys.modules[name] = Stub(name)
 
 
-def make_model(path: str, vocab: int) -> None:
+def make_model(path: str, vocab: int, tie_word_embeddings: bool = False) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False,
+        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=tie_word_embeddings,
         architectures=["Qwen2ForCausalLM"], bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
     Qwen2ForCausalLM(config).save_pretrained(path)
 
 
-def compose(model_path: str, remove_padding: bool):
+def compose(model_path: str, remove_padding: bool, fused: bool = False):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
 
@@ -144,6 +155,9 @@ def compose(model_path: str, remove_padding: bool):
         "actor_rollout_ref.actor.entropy_coeff=0.01",
         "algorithm.adv_estimator=grpo",
     ]
+    if fused:
+        overrides += ["actor_rollout_ref.model.use_fused_kernels=True",
+                      "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch"]
     with initialize_config_module(config_module="verl.trainer.config", version_base=None):
         return hydra_compose(config_name="ppo_trainer", overrides=overrides)
 
@@ -174,6 +188,25 @@ def make_batch(vocab: int, temperature: float):
     return batch
 
 
+class HeadInputsRecorder:
+    """What verl's fused head (`FusedLinearForPPO.forward`, called by the model's patched
+    `forward_with_torch_backend`) receives: a forward hook on the model's final norm, whose output is the
+    hidden states that forward passes on (`outputs[0]`), and the `lm_head.weight` it passes, read at the
+    same moment. Detached copies; scoring is untouched."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, module, inputs, output) -> None:
+        weight = self.model.lm_head.weight
+        self.outputs.append((output.detach().clone(), weight.detach().clone()))
+
+    def take(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        taken, self.outputs = self.outputs, []
+        return taken
+
+
 class LogitsRecorder:
     """Forward hook on an `lm_head`: keeps a detached copy of every output (the logits verl scores)."""
 
@@ -188,9 +221,29 @@ class LogitsRecorder:
         return taken
 
 
-def lm_head_of(training_worker) -> torch.nn.Module:
+def model_of(training_worker) -> torch.nn.Module:
     module = training_worker.engine.module
-    return getattr(module, "module", module).lm_head
+    return getattr(module, "module", module)
+
+
+def lm_head_of(training_worker) -> torch.nn.Module:
+    return model_of(training_worker).lm_head
+
+
+def head_recorder(training_worker) -> HeadInputsRecorder:
+    """A `HeadInputsRecorder` hooked on the final norm of the worker's model."""
+    model = model_of(training_worker)
+    recorder = HeadInputsRecorder(model)
+    model.model.norm.register_forward_hook(recorder)
+    return recorder
+
+
+def fused_rows(inputs: list[tuple[torch.Tensor, torch.Tensor]], batch, remove_padding: bool):
+    """`response_rows` of the captured hidden states, and the lm_head weight (the same in every forward of
+    one step)."""
+    weights = [w for _, w in inputs]
+    assert all(torch.equal(w, weights[0]) for w in weights)
+    return [x for x, _ in response_rows([h for h, _ in inputs], batch, remove_padding)], weights[0]
 
 
 class VllmSampler:
@@ -247,6 +300,46 @@ def response_rows(logits: list[torch.Tensor], batch, remove_padding: bool) -> li
     return rows
 
 
+def run_fused(model_path: str, vocab: int, results: dict) -> None:
+    """`use_fused_kernels=True` (verl's torch backend, `FusedLinearForPPO`): for each remove-padding
+    setting and temperature, the hidden states and lm_head weight the fused head received (actor and ref),
+    and what the trainer got back. Keys ("fused", remove_padding, temperature). `model_path`: a model
+    with tied embeddings (see the module docstring)."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    for remove_padding in (True, False):
+        config = compose(model_path, remove_padding, fused=True)
+        actor = ActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor")
+        actor.init_model()
+        ref = ActorRolloutRefWorker(config=config.actor_rollout_ref, role="ref")
+        ref.init_model()
+        trainer = object.__new__(RayPPOTrainer)
+        trainer.config, trainer.actor_rollout_wg, trainer.ref_policy_wg = config, actor, ref
+        trainer.ref_in_actor = False
+        actor_inputs, ref_inputs = head_recorder(actor.actor), head_recorder(ref.ref)
+        lm_head_calls = LogitsRecorder()  # the fused forward never calls lm_head
+        lm_head_of(actor.actor).register_forward_hook(lm_head_calls)
+        lm_head_of(ref.ref).register_forward_hook(lm_head_calls)
+        for temperature in (0.7, 1.0):
+            config.actor_rollout_ref.rollout.temperature = temperature
+            batch = make_batch(vocab, temperature)
+            old, _ = trainer._compute_old_log_prob(batch)
+            old_hidden, old_weight = fused_rows(actor_inputs.take(), batch, remove_padding)
+            ref_out = trainer._compute_ref_log_prob(batch)
+            ref_hidden, ref_weight = fused_rows(ref_inputs.take(), batch, remove_padding)
+            batch = batch.union(old).union(ref_out)
+            update = trainer._update_actor(batch)
+            results[("fused", remove_padding, temperature)] = {
+                "batch": {k: v.clone() for k, v in batch.batch.items()},
+                "old_hidden": old_hidden, "old_weight": old_weight,
+                "ref_hidden": ref_hidden, "ref_weight": ref_weight,
+                "update_forwards": len(actor_inputs.take()),
+                "lm_head_calls": len(lm_head_calls.take()),
+                "update_metrics": update.meta_info["metrics"],
+            }
+
+
 def run(model_path: str, vocab: int) -> dict:
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl.workers.engine_workers import ActorRolloutRefWorker
@@ -293,6 +386,10 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="directory of the tiny model (created if absent)")
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--fused-model",
+                        help="also run the use_fused_kernels=True cases, on this model (tied embeddings; created "
+                             "if absent), after the others: verl's fused patch replaces the model class's forward "
+                             "for the rest of the process")
     args = parser.parse_args()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       VERL_ENGINE_DEVICE="cuda")
@@ -305,7 +402,12 @@ def main() -> None:
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     if not os.path.isdir(args.model):
         make_model(args.model, args.vocab)
-    torch.save(run(args.model, args.vocab), args.out)
+    if args.fused_model and not os.path.isdir(args.fused_model):
+        make_model(args.fused_model, args.vocab, tie_word_embeddings=True)
+    results = run(args.model, args.vocab)
+    if args.fused_model:
+        run_fused(args.fused_model, args.vocab, results)
+    torch.save(results, args.out)
 
 
 if __name__ == "__main__":
