@@ -111,17 +111,22 @@ def _score(logits, labels, temperature, opts: Options, *, entropy: bool, normali
     """The request's statistics (each [N]) and the logits' row shape."""
     req = _request(logits, labels, temperature, opts, entropy=entropy, normalizer=normalizer,
                    inplace_backward=inplace_backward)
+    return _request_stats(req, logits), req.lead_shape
+
+
+def _request_stats(req: LogpRequest, logits: torch.Tensor) -> RowStats:
+    """A request's statistics: a baseline's, or the ops' (NaN where the TP ranks disagreed on this call)."""
     if req.engine not in INVARIANT_ENGINES:
         if req.shard is not None:
-            return RowStats(logp=baselines.vocab_parallel_torch_logprobs(req)), req.lead_shape
-        return baselines.row_stats(req), req.lead_shape
+            return RowStats(logp=baselines.vocab_parallel_torch_logprobs(req))
+        return baselines.row_stats(req)
     if req.rows == 0:
-        return _empty(req, logits), req.lead_shape
+        return _empty(req, logits)
     stats = ops.row_stats(req)
     disagreement = None if req.shard is None else req.shard.disagreement
     if disagreement is not None:
         stats = RowStats(**{f.name: _poisoned(getattr(stats, f.name), disagreement) for f in dataclasses.fields(stats)})
-    return stats, req.lead_shape
+    return stats
 
 
 def _shaped(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:

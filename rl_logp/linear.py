@@ -32,7 +32,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from rl_logp import api, ops
+from rl_logp import api
 from rl_logp.config import LogpConfig
 from rl_logp.engines import INVARIANT_ENGINES, RowStats, make_engine, resolve_backend
 from rl_logp.linear_matmul import ALIGN, matmul, uses_triton
@@ -175,14 +175,7 @@ def _stats(x: torch.Tensor, labels: torch.Tensor, temperature, call: _Call) -> t
     """M, L, logp (and entropy) of one block of logits rows through `rl_logp.logprobs`'s request path."""
     req = api._request(x, labels, temperature, call.opts, entropy=call.entropy, normalizer=True,
                        inplace_backward=False)
-    if req.rows == 0:
-        return RowStats(), req
-    stats = ops.row_stats(req)
-    disagreement = None if req.shard is None else req.shard.disagreement
-    if disagreement is not None:
-        stats = RowStats(**{f.name: api._poisoned(getattr(stats, f.name), disagreement)
-                            for f in dataclasses.fields(stats)})
-    return stats, req
+    return api._request_stats(req, x), req
 
 
 class _LinearLogprobs(torch.autograd.Function):
