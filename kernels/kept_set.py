@@ -30,6 +30,7 @@ import triton.language as tl
 
 from .fixed_point import INTERPRET, Named, max_all
 from .kept_set_select import cut_value, first_counts, range_max, write_cut
+from .launch import INTERPRETER_SLOTS, on_device, sm_count
 
 MODE_FUSED: tl.constexpr = Named(0)  # rows end to end, writes included
 MODE_SELECT: tl.constexpr = Named(1)  # the split plan's launch 3: c per row from the ranges' results
@@ -148,10 +149,6 @@ def kept_set_range_kernel(Z, stride, TOP_K, TOP_P, MAXES, COUNTS, MASSES, CUTS, 
         tl.store(SMALLEST + slot, smallest)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @functools.lru_cache(maxsize=64)
 def bucket_rate(bits: int, buckets: int) -> float:
     """Buckets per unit of d = M - z: the largest power of two with which the last bucket starts past
@@ -159,14 +156,9 @@ def bucket_rate(bits: int, buckets: int) -> float:
     return 2.0 ** math.floor(math.log2((buckets - 1) / (bits * math.log(2.0) + 1.0)))
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _slots(z: torch.Tensor, cfg: KeptSetLaunch) -> int:
-    """Programs the device runs at once (the interpreter: 4)."""
-    return 4 if INTERPRET or not z.is_cuda else cfg.programs_per_sm * _sm_count(z.device.index)
+    """Programs the device runs at once (the interpreter: INTERPRETER_SLOTS)."""
+    return INTERPRETER_SLOTS if INTERPRET or not z.is_cuda else cfg.programs_per_sm * sm_count(z.device.index)
 
 
 def split_count(z: torch.Tensor, cfg: KeptSetLaunch) -> int:
@@ -174,8 +166,8 @@ def split_count(z: torch.Tensor, cfg: KeptSetLaunch) -> int:
     n, vocab = z.shape
     if n > cfg.split_rows:
         return 1
-    wanted = cfg.split or min(cfg.max_split, _cdiv(_slots(z, cfg), n))
-    return max(1, min(wanted, _cdiv(vocab, cfg.block)))
+    wanted = cfg.split or min(cfg.max_split, triton.cdiv(_slots(z, cfg), n))
+    return max(1, min(wanted, triton.cdiv(vocab, cfg.block)))
 
 
 def kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, bits: int,
@@ -200,24 +192,25 @@ def kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | 
     sizes = {"SMALL_": cfg.small, "BIG_": cfg.big, "PIVOTS_": cfg.pivots, "SPLIT": split,
              "SPLIT_PAD": triton.next_power_of_2(split)}
     flags = {"HAS_K": top_k is not None, "HAS_P": top_p is not None, "WRITE": write}
-    if split == 1:
-        programs = n if INTERPRET or not z.is_cuda else max(1, min(n, _slots(z, cfg)))
-        scratch = torch.empty((programs, cfg.big), dtype=torch.int32, device=z.device)
-        kept_set_kernel[(programs,)](z, z.stride(0), top_k, top_p, threshold, scratch, None, None, None, None, n, vocab,
-                                     rate, q_scale, MODE=MODE_FUSED.value, **flags, **sizes, **common)
-        return
-    maxes = torch.empty((n, split), dtype=torch.float32, device=z.device)
-    counts = torch.empty((n, split, cfg.buckets), dtype=torch.int32, device=z.device)
-    masses = torch.empty((n, split), dtype=torch.int64, device=z.device)
-    cuts = torch.empty(n, dtype=torch.float32, device=z.device)
-    smallest = torch.empty((n, split), dtype=torch.float32, device=z.device)
-    scratch = torch.empty((n, cfg.big), dtype=torch.int32, device=z.device)
-    span = _cdiv(_cdiv(vocab, split), cfg.block) * cfg.block
-    ranges = (z, z.stride(0), top_k, top_p, maxes, counts, masses, cuts, smallest, vocab, span, rate, q_scale)
-    range_sizes = {"SPLIT": split, "SPLIT_PAD": sizes["SPLIT_PAD"]}
-    for phase in (PHASE_MAX, PHASE_COUNT):
-        kept_set_range_kernel[(n, split)](*ranges, PHASE=phase.value, **flags, **range_sizes, **common)
-    kept_set_kernel[(n,)](z, z.stride(0), top_k, top_p, threshold, scratch, maxes, counts, masses, cuts, n, vocab, rate,
-                          q_scale, MODE=MODE_SELECT.value, **flags, **sizes, **common)
-    kept_set_range_kernel[(n, split)](*ranges, PHASE=PHASE_WRITE.value, **flags, **range_sizes, **common)
-    torch.amin(smallest, dim=1, out=threshold)
+    with on_device(z):  # Triton launches on the current device's stream
+        if split == 1:
+            programs = n if INTERPRET or not z.is_cuda else max(1, min(n, _slots(z, cfg)))
+            scratch = torch.empty((programs, cfg.big), dtype=torch.int32, device=z.device)
+            kept_set_kernel[(programs,)](z, z.stride(0), top_k, top_p, threshold, scratch, None, None, None, None, n, vocab,
+                                         rate, q_scale, MODE=MODE_FUSED.value, **flags, **sizes, **common)
+            return
+        maxes = torch.empty((n, split), dtype=torch.float32, device=z.device)
+        counts = torch.empty((n, split, cfg.buckets), dtype=torch.int32, device=z.device)
+        masses = torch.empty((n, split), dtype=torch.int64, device=z.device)
+        cuts = torch.empty(n, dtype=torch.float32, device=z.device)
+        smallest = torch.empty((n, split), dtype=torch.float32, device=z.device)
+        scratch = torch.empty((n, cfg.big), dtype=torch.int32, device=z.device)
+        span = triton.cdiv(triton.cdiv(vocab, split), cfg.block) * cfg.block
+        ranges = (z, z.stride(0), top_k, top_p, maxes, counts, masses, cuts, smallest, vocab, span, rate, q_scale)
+        range_sizes = {"SPLIT": split, "SPLIT_PAD": sizes["SPLIT_PAD"]}
+        for phase in (PHASE_MAX, PHASE_COUNT):
+            kept_set_range_kernel[(n, split)](*ranges, PHASE=phase.value, **flags, **range_sizes, **common)
+        kept_set_kernel[(n,)](z, z.stride(0), top_k, top_p, threshold, scratch, maxes, counts, masses, cuts, n, vocab, rate,
+                              q_scale, MODE=MODE_SELECT.value, **flags, **sizes, **common)
+        kept_set_range_kernel[(n, split)](*ranges, PHASE=PHASE_WRITE.value, **flags, **range_sizes, **common)
+        torch.amin(smallest, dim=1, out=threshold)

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 
 import torch
+import triton
 
 from .fixed_point import (
     DIV_IEEE,
@@ -28,10 +29,6 @@ from .grad import grad_kernel
 from .row_stats import MAX_GIVEN, MAX_SCAN, RESULT_MAX, RESULT_ROW, RESULT_SUMS, row_stats_kernel
 
 INTERPRETER_SLOTS = 4  # programs the interpreter runs in place of a GPU's SMs
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def on_device(x: torch.Tensor):
@@ -68,7 +65,8 @@ class LaunchConfig:
 
 
 @functools.lru_cache(maxsize=8)
-def _sm_count(device_index: int) -> int:
+def sm_count(device_index: int) -> int:
+    """The GPU's SM count (persistent grids of this module and of `kept_set` size from it)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -76,7 +74,7 @@ def _programs(x: torch.Tensor, cfg: LaunchConfig) -> int:
     n = x.shape[0]
     if cfg.programs_per_sm == 0:
         return n
-    slots = INTERPRETER_SLOTS if not x.is_cuda else cfg.programs_per_sm * _sm_count(x.device.index)
+    slots = INTERPRETER_SLOTS if not x.is_cuda else cfg.programs_per_sm * sm_count(x.device.index)
     return max(1, min(n, slots))
 
 
@@ -84,7 +82,7 @@ def _programs(x: torch.Tensor, cfg: LaunchConfig) -> int:
 def _quant(vocab: int, bits: int, chunk: int, lane: int, quant: int) -> int:
     """The split quantisation where its per-lane uint32 sums cannot wrap past their bias (see
     `fixed_point.lane_total`: a lane adds cdiv(V, chunk) * lane terms), else the plain conversion."""
-    terms = _cdiv(max(vocab, 1), chunk) * lane
+    terms = triton.cdiv(max(vocab, 1), chunk) * lane
     if quant == QUANT_SPLIT.value and bits <= MAX_SPLIT_BITS and terms < 2 ** (32 - min(SPLIT_HI_BITS, bits // 2)):
         return QUANT_SPLIT.value
     return QUANT_CAST.value
@@ -156,7 +154,7 @@ def grad(x: torch.Tensor, out: torch.Tensor, labels: torch.Tensor | None, label_
     n, vocab = x.shape
     has_lp, has_h = g_logp is not None, g_entropy is not None
     with on_device(x):
-        grad_kernel[(n, _cdiv(vocab, cfg.grad_block))](
+        grad_kernel[(n, triton.cdiv(vocab, cfg.grad_block))](
             x, x.stride(0), out, out.stride(0), labels, label_offset, vocab_total, temp_rows, t_scalar,
             row_max, log_sum, entropy, g_logp, g_logp.stride(0) if has_lp else 0, g_entropy,
             g_entropy.stride(0) if has_h else 0, vocab,

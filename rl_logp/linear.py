@@ -38,11 +38,10 @@ from rl_logp.engines import INVARIANT_ENGINES, RowStats, make_engine, resolve_ba
 from rl_logp.linear_matmul import ALIGN, matmul, uses_triton
 from rl_logp.request import LogpRequest
 from rl_logp.shard_layout import VocabShard
-from rl_logp.temperature import Temperature, same_rows
-from rl_logp.validation import check_temperature
+from rl_logp.temperature import Temperature
+from rl_logp.validation import check_labels, check_temperature
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-LABEL_DTYPES = (torch.int32, torch.int64)
 
 
 def _check_linear(hidden: object, weight: object) -> None:
@@ -69,22 +68,6 @@ def _check_linear(hidden: object, weight: object) -> None:
         )
     if weight.shape[0] == 0:
         raise ValueError("rl_logp: weight has no vocabulary rows (V == 0)")
-
-
-def _check_labels(labels: object, hidden: torch.Tensor) -> torch.Tensor:
-    """labels as int64 [N] (N rows of hidden)."""
-    if not isinstance(labels, torch.Tensor):
-        raise TypeError(f"rl_logp: labels must be a torch.Tensor, got {type(labels).__name__}")
-    if labels.dtype not in LABEL_DTYPES:
-        raise TypeError(f"rl_logp: labels have dtype {labels.dtype}; use int64 or int32 (labels.long())")
-    if labels.device != hidden.device:
-        raise ValueError(f"rl_logp: labels are on {labels.device} but hidden on {hidden.device}; move them there")
-    if not same_rows(labels.shape, hidden.shape[:-1]):
-        raise ValueError(
-            f"rl_logp: labels have shape {tuple(labels.shape)} but hidden {tuple(hidden.shape)}; labels must have "
-            "hidden's shape without the last (hidden) dimension"
-        )
-    return labels.reshape(-1).to(torch.int64).contiguous()
 
 
 def _rows2d(hidden: torch.Tensor) -> torch.Tensor:
@@ -269,7 +252,7 @@ def linear_logprobs(
     cfg = api._config(opts)
     engine = _engine(cfg, hidden.device)
     h = _rows2d(hidden)
-    y = _check_labels(labels, hidden)
+    y = check_labels(labels, hidden, against="hidden").reshape(-1).to(torch.int64).contiguous()
     temp = check_temperature(temperature, hidden, h.shape[0])
     call = _Call(opts, cfg, engine, uses_triton(engine, hidden.device), float(temp.scalar), entropy)
     logp, ent = _LinearLogprobs.apply(h, weight, y, temp.rows, call)

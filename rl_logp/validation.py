@@ -27,16 +27,17 @@ def check_logits(logits: object) -> torch.Tensor:
     return logits
 
 
-def check_labels(labels: object, logits: torch.Tensor, *, columns: bool = False) -> torch.Tensor:
-    """Labels of the logits' row shape; with `columns`, that shape + [K] (K ids per row)."""
+def check_labels(labels: object, logits: torch.Tensor, *, columns: bool = False, against: str = "logits") -> torch.Tensor:
+    """Labels of the row shape of `logits` (named `against` in the messages: `hidden` for the fused lm_head);
+    with `columns`, that shape + [K] (K ids per row)."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"rl_logp: labels must be a torch.Tensor, got {type(labels).__name__}")
     if labels.dtype not in LABEL_DTYPES:
         raise TypeError(f"rl_logp: labels have dtype {labels.dtype}; use int64 or int32 (labels.long())")
     if labels.device != logits.device:
         raise ValueError(
-            f"rl_logp: labels are on {labels.device} but logits on {logits.device}; "
-            "move them with labels.to(logits.device)"
+            f"rl_logp: labels are on {labels.device} but {against} on {logits.device}; "
+            f"move them with labels.to({against}.device)"
         )
     if columns:
         if labels.dim() != logits.dim() or labels.shape[:-1] != logits.shape[:-1]:
@@ -48,9 +49,9 @@ def check_labels(labels: object, logits: torch.Tensor, *, columns: bool = False)
         return labels
     if not same_rows(labels.shape, logits.shape[:-1]):
         raise ValueError(
-            f"rl_logp: labels have shape {tuple(labels.shape)} but logits {tuple(logits.shape)}; "
-            "labels must have the logits' shape without the last (vocabulary) dimension "
-            "(size-1 dimensions aside, e.g. [1, N] labels with [N, V] logits)"
+            f"rl_logp: labels have shape {tuple(labels.shape)} but {against} {tuple(logits.shape)}; "
+            f"labels must have the shape of {against} without its last dimension "
+            f"(size-1 dimensions aside, e.g. [1, N] labels with [N, {'V' if against == 'logits' else 'H'}] {against})"
         )
     return labels
 

@@ -300,23 +300,30 @@ def response_rows(logits: list[torch.Tensor], batch, remove_padding: bool) -> li
     return rows
 
 
+def make_trainer(model_path: str, remove_padding: bool, fused: bool = False):
+    """(config, actor worker, ref worker, trainer): initialised workers and a `RayPPOTrainer` without Ray
+    whose worker groups are this process's workers (shim 4)."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    config = compose(model_path, remove_padding, fused=fused)
+    actor = ActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor")
+    actor.init_model()
+    ref = ActorRolloutRefWorker(config=config.actor_rollout_ref, role="ref")
+    ref.init_model()
+    trainer = object.__new__(RayPPOTrainer)
+    trainer.config, trainer.actor_rollout_wg, trainer.ref_policy_wg = config, actor, ref
+    trainer.ref_in_actor = False
+    return config, actor, ref, trainer
+
+
 def run_fused(model_path: str, vocab: int, results: dict) -> None:
     """`use_fused_kernels=True` (verl's torch backend, `FusedLinearForPPO`): for each remove-padding
     setting and temperature, the hidden states and lm_head weight the fused head received (actor and ref),
     and what the trainer got back. Keys ("fused", remove_padding, temperature). `model_path`: a model
     with tied embeddings (see the module docstring)."""
-    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
-    from verl.workers.engine_workers import ActorRolloutRefWorker
-
     for remove_padding in (True, False):
-        config = compose(model_path, remove_padding, fused=True)
-        actor = ActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor")
-        actor.init_model()
-        ref = ActorRolloutRefWorker(config=config.actor_rollout_ref, role="ref")
-        ref.init_model()
-        trainer = object.__new__(RayPPOTrainer)
-        trainer.config, trainer.actor_rollout_wg, trainer.ref_policy_wg = config, actor, ref
-        trainer.ref_in_actor = False
+        config, actor, ref, trainer = make_trainer(model_path, remove_padding, fused=True)
         actor_inputs, ref_inputs = head_recorder(actor.actor), head_recorder(ref.ref)
         lm_head_calls = LogitsRecorder()  # the fused forward never calls lm_head
         lm_head_of(actor.actor).register_forward_hook(lm_head_calls)
@@ -341,20 +348,10 @@ def run_fused(model_path: str, vocab: int, results: dict) -> None:
 
 
 def run(model_path: str, vocab: int) -> dict:
-    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
-    from verl.workers.engine_workers import ActorRolloutRefWorker
-
     results = {"patched_module": sys.modules["verl.utils.torch_functional"].logprobs_from_logits.__module__}
     sampler = VllmSampler()
     for remove_padding in (True, False):
-        config = compose(model_path, remove_padding)
-        actor = ActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor")
-        actor.init_model()
-        ref = ActorRolloutRefWorker(config=config.actor_rollout_ref, role="ref")
-        ref.init_model()
-        trainer = object.__new__(RayPPOTrainer)
-        trainer.config, trainer.actor_rollout_wg, trainer.ref_policy_wg = config, actor, ref
-        trainer.ref_in_actor = False
+        config, actor, ref, trainer = make_trainer(model_path, remove_padding)
         actor_logits, ref_logits = LogitsRecorder(), LogitsRecorder()
         lm_head_of(actor.actor).register_forward_hook(actor_logits)
         lm_head_of(ref.ref).register_forward_hook(ref_logits)
