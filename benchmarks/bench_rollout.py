@@ -16,7 +16,8 @@ once per vLLM version. Paths (`--paths`):
   (rl-logp's kept-set kernel on CUDA, `rl_logp.kernels.kept_set`).
 For batch 1, 8, 64, 256, 1024 x 151936, bf16 and fp32 logits, T 1.0 and 0.7, each step is timed
 unpatched and patched: CUDA time (events), wall time (synchronised before and after) and host time
-(until the step returns, not synchronised after), medians of --reps. Every row checks its outputs (the
+(until the step returns, not synchronised after), medians of --reps, taken in --rounds rounds that
+alternate unpatched and patched (a noisy host's drift hits both sides alike). Every row checks its outputs (the
 same check patched and unpatched; unpatched rows are the control: vLLM's own bits differ):
 `first_column_equals_rl_logp`, the sampled token's logprob (column 0) against `rl_logp.logprobs` of the
 token ids the step returned, with the patch's backend; for `kept_set` rows `kept_set_equals_contract`,
@@ -48,6 +49,7 @@ if "--smoke" in sys.argv:
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not carried to the device
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -239,9 +241,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def median_times(step: Step, reps: int, warmup: int, device: torch.device) -> dict:
-    """Median CUDA ms (None on the CPU), wall ms and host ms; the inputs are restored outside the timings."""
-    cuda_ms, wall_ms, host_ms = [], [], []
+def time_samples(step: Step, reps: int, warmup: int, device: torch.device) -> dict[str, list[float]]:
+    """CUDA ms (none on the CPU), wall ms and host ms of `reps` steps after `warmup` untimed ones; the
+    inputs are restored outside the timings."""
+    samples: dict[str, list[float]] = {"cuda_ms": [], "wall_ms": [], "host_ms": []}
     for i in range(reps + warmup):
         if device.type == "cuda":
             step.reset()
@@ -252,7 +255,7 @@ def median_times(step: Step, reps: int, warmup: int, device: torch.device) -> di
             stop.record()
             torch.cuda.synchronize()
             if i >= warmup:
-                cuda_ms.append(start.elapsed_time(stop))
+                samples["cuda_ms"].append(start.elapsed_time(stop))
         step.reset()
         sync(device)
         begin = time.perf_counter()
@@ -260,10 +263,25 @@ def median_times(step: Step, reps: int, warmup: int, device: torch.device) -> di
         returned = time.perf_counter()
         sync(device)
         if i >= warmup:
-            wall_ms.append((time.perf_counter() - begin) * 1e3)
-            host_ms.append((returned - begin) * 1e3)
+            samples["wall_ms"].append((time.perf_counter() - begin) * 1e3)
+            samples["host_ms"].append((returned - begin) * 1e3)
+    return samples
+
+
+def interleaved_times(steps: dict[bool, Step], args, device: torch.device) -> dict[bool, dict]:
+    """Medians of --reps timings of the unpatched (False) and patched (True) step, taken in --rounds
+    alternating rounds (the patch applied around each patched round): drift of a noisy host hits both
+    sides alike. Each round starts with --warmup untimed steps."""
+    samples = {side: {"cuda_ms": [], "wall_ms": [], "host_ms": []} for side in steps}
+    per_round = max(1, -(-args.reps // args.rounds))
+    for _ in range(args.rounds):
+        for side, step in steps.items():
+            with adapter.patched(backend=args.backend) if side else contextlib.nullcontext():
+                for key, values in time_samples(step, per_round, args.warmup, device).items():
+                    samples[side][key] += values
     median = statistics.median
-    return {"cuda_ms": median(cuda_ms) if cuda_ms else None, "wall_ms": median(wall_ms), "host_ms": median(host_ms)}
+    return {side: {key: median(v) if v else None for key, v in found.items()} | {"timed_steps": len(found["wall_ms"])}
+            for side, found in samples.items()}
 
 
 def host_syncs(step: Step) -> dict:
@@ -360,33 +378,39 @@ def available_paths(requested: list[str]) -> tuple[list[str], dict[str, str]]:
     return paths, missing
 
 
-def measure(setting: Setting, batch: int, args, device: torch.device, patched: bool, launch: dict | None = None) -> dict:
-    step = Step(setting, batch, args.vocab, device, args.backend, launch)
+def checked_row(step: Step, setting: Setting, batch: int, args, device: torch.device, patched: bool, times: dict,
+                launch: dict | None = None) -> dict:
+    """A report row: the step's times, then its checks (run under the patch when `patched`)."""
     name = setting.name if launch is None else f"{setting.name} kernel {json.dumps(launch, sort_keys=True)}"
     row = {"setting": name, **dataclasses.asdict(setting), "batch": batch, "vocab": args.vocab, "patched": patched,
-           **({} if launch is None else {"launch": launch, "compared_to": setting.name}),
-           **median_times(step, args.reps, args.warmup, device)}
-    step.reset()
-    row.update(step.check(step()))
-    if patched and setting.path == "kept_set" and launch is None and rl_logp.fused_runs_on(device):
-        row["kernel_equals_contract"] = kernel_matches_contract(step)
-    if device.type == "cuda" and batch == args.check_batch:
-        row["host_syncs"] = host_syncs(step)
-        row["cuda_graph"] = graph_replay(step)
+           **({} if launch is None else {"launch": launch, "compared_to": setting.name}), **times}
+    with adapter.patched(backend=args.backend) if patched else contextlib.nullcontext():
+        step.reset()
+        row.update(step.check(step()))
+        if patched and setting.path == "kept_set" and launch is None and rl_logp.fused_runs_on(device):
+            row["kernel_equals_contract"] = kernel_matches_contract(step)
+        if device.type == "cuda" and batch == args.check_batch:
+            row["host_syncs"] = host_syncs(step)
+            row["cuda_graph"] = graph_replay(step)
     return row
 
 
 def run(args, device: torch.device, paths: list[str], report: Report) -> None:
     for setting in settings(paths, args.dtypes):
         for batch in args.batches:
-            unpatched = measure(setting, batch, args, device, False)
+            steps = {False: Step(setting, batch, args.vocab, device, args.backend)}
+            with adapter.patched(backend=args.backend):  # V1's sampler binds the patched forward when built
+                steps[True] = Step(setting, batch, args.vocab, device, args.backend)
+            times = interleaved_times(steps, args, device)
+            unpatched, patched = (checked_row(steps[side], setting, batch, args, device, side, times[side])
+                                  for side in (False, True))
             report.add(unpatched)
-            with adapter.patched(backend=args.backend):
-                patched = measure(setting, batch, args, device, True)
             report.add(patched)
             print(f"{setting.name:52s} B={batch:5d} unpatched {_ms(unpatched)}  patched {_ms(patched)}", flush=True)
             for launch in args.kept_set_variants if setting.path == "kept_set" else []:
-                variant = measure(setting, batch, args, device, True, launch)
+                step = Step(setting, batch, args.vocab, device, args.backend, launch)
+                times = interleaved_times({True: step}, args, device)[True]
+                variant = checked_row(step, setting, batch, args, device, True, times, launch)
                 report.add(variant)
                 print(f"  kernel {json.dumps(launch):50s} B={batch:5d} {_ms(variant)}", flush=True)
 
@@ -431,8 +455,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256, 1024])
     parser.add_argument("--dtypes", nargs="+", choices=["bfloat16", "float32"], default=["bfloat16", "float32"])
     parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=40, help="timed steps per side (patched, unpatched)")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="alternating unpatched / patched rounds the --reps are spread over")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each round")
     parser.add_argument("--check-batch", type=int, default=64, help="batch size of the sync and CUDA-graph checks")
     parser.add_argument("--backend", default="auto", help="rl-logp backend of the patch and of the checks")
     parser.add_argument("--kept-set-variants", type=json.loads, default=[],
@@ -445,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     torch.manual_seed(0)  # V1 draws its sampled tokens from the global generator
     if args.smoke:
-        args.batches, args.vocab, args.reps, args.warmup, args.backend = [1, 4], 1031, 1, 1, "fused"
+        args.batches, args.vocab, args.reps, args.rounds, args.warmup, args.backend = [1, 4], 1031, 2, 2, 1, "fused"
         torch.compiler.set_stance("force_eager")  # vLLM's compiled helpers take 10-20 s to compile on the CPU
     paths, missing = available_paths(args.paths)
     for path, why in missing.items():

@@ -88,17 +88,25 @@ def _quant(vocab: int, bits: int, chunk: int, lane: int, quant: int) -> int:
     return QUANT_CAST.value
 
 
+@functools.lru_cache(maxsize=256)
+def _forward_settings(vocab: int, bits: int, entropy: bool, max_from: int, result: int, temp_mode: int,
+                      cfg: LaunchConfig) -> tuple[tuple, dict]:
+    """The trailing arguments of a forward launch (scalars and constexprs fixed by the row width and the
+    settings) and its options: built once per settings, not at every call."""
+    tail = (float(2.0**bits), 2.0**-bits, max_from, result, temp_mode, cfg.div, entropy, cfg.chunk, cfg.lane,
+            _quant(vocab, bits, cfg.chunk, cfg.lane, cfg.quant), *split_constants(bits))
+    return tail, {"num_warps": cfg.warps, "enable_fp_fusion": False, "enable_reflect_ftz": cfg.ftz}
+
+
 def forward_launch(x, labels, temp_mode, temp_rows, t_scalar, max_in, outs, sums, bits, entropy, max_from, result,
                    cfg, out_full=None) -> tuple[tuple[int], tuple, dict]:
     """(grid, positional arguments, options) of one `row_stats_kernel` launch."""
     n, vocab = x.shape
     picks = 1 if labels is None or labels.dim() == 1 else labels.shape[1]
     full_stride = 0 if out_full is None else out_full.stride(0)
+    tail, options = _forward_settings(vocab, bits, entropy, max_from, result, temp_mode, cfg)
     args = (x, x.stride(0), labels, picks, temp_rows, t_scalar, max_in, *outs, *sums, out_full, full_stride, n, vocab,
-            float(2.0**bits), 2.0**-bits,
-            max_from, result, temp_mode, cfg.div, entropy, cfg.chunk, cfg.lane,
-            _quant(vocab, bits, cfg.chunk, cfg.lane, cfg.quant), *split_constants(bits))
-    options = {"num_warps": cfg.warps, "enable_fp_fusion": False, "enable_reflect_ftz": cfg.ftz}
+            *tail)
     return (_programs(x, cfg),), args, options
 
 

@@ -269,16 +269,23 @@ def log_normalizer(
 
 def _rollout_scores(logits, columns, temperature, opts: Options, *, full: bool) -> RowStats:
     """One forward of an invariant engine straight from the engine (no op, no autograd): what a rollout
-    engine asks at every decode step, in one launch on the fused path."""
-    with torch.no_grad():
-        req = _request(logits, columns, temperature, opts, entropy=False, normalizer=False, inplace_backward=False,
-                       columns=columns is not None, full=full)
-        if req.engine not in INVARIANT_ENGINES:
-            raise ValueError(f"rl_logp: this function needs an invariant backend (fused/chunked/auto), got {req.engine!r}")
-        return make_engine(req.engine, req.chunk_bytes).row_stats(req)
+    engine asks at every decode step, in one launch on the fused path. Under torch.compile it runs
+    eagerly (a graph break); eager calls skip the compiler's wrapper, which costs microseconds per call."""
+    if torch.compiler.is_compiling():
+        return _eager_rollout_scores(logits, columns, temperature, opts, full=full)
+    if logits.requires_grad and torch.is_grad_enabled():
+        with torch.no_grad():
+            return _rollout_scores(logits, columns, temperature, opts, full=full)
+    req = _request(logits, columns, temperature, opts, entropy=False, normalizer=False, inplace_backward=False,
+                   columns=columns is not None, full=full)
+    if req.engine not in INVARIANT_ENGINES:
+        raise ValueError(f"rl_logp: this function needs an invariant backend (fused/chunked/auto), got {req.engine!r}")
+    return make_engine(req.engine, req.chunk_bytes).row_stats(req)
 
 
-@torch.compiler.disable
+_eager_rollout_scores = torch.compiler.disable(_rollout_scores)
+
+
 def column_logprobs(
     logits: torch.Tensor,
     columns: torch.Tensor,
@@ -297,7 +304,6 @@ def column_logprobs(
     return _shaped(_rollout_scores(logits, columns, temperature, opts, full=False).logp, columns.shape)
 
 
-@torch.compiler.disable
 def full_logprobs(
     logits: torch.Tensor,
     *,

@@ -122,9 +122,13 @@ def resolve_config(
 ) -> LogpConfig:
     """Merge defaults < environment < `values` (dict or config) < keyword overrides, and validate.
 
-    Eager calls without a dict are memoised on (config, the RL_LOGP_* values, the overrides): the
-    rollout calls this at every decode step, and a changed variable still takes effect.
+    A `LogpConfig` with no overrides is returned as it is (it was validated when built, and a config
+    object ignores the environment). Other eager calls without a dict are memoised on (config, the
+    RL_LOGP_* values, the overrides): the rollout calls this at every decode step, and a changed variable
+    still takes effect.
     """
+    if type(values) is LogpConfig and all(v is None for v in overrides.values()):
+        return values
     if environ is None and not isinstance(values, Mapping) and not torch.compiler.is_compiling():
         key = (values, _env_values(), *overrides.items())
         found = _RESOLVED.get(key)

@@ -83,7 +83,8 @@ def prepare_inputs(logits: object, labels: object | None, temperature: float | t
         x2 = x2.contiguous()
     if y is not None:
         if columns:
-            y = y.reshape(n, y.shape[-1])
+            if y.dim() != 2:
+                y = y.reshape(n, y.shape[-1])
         elif y.dim() != 1:
             y = y.reshape(n)
         if y.dtype != torch.int64:

@@ -106,3 +106,22 @@ def test_fused_scores_equal_chunked_at_a_real_vocabulary(dtype):
         full = rl_logp.full_logprobs(x, backend="fused", temperature=temperature)
         assert torch.equal(bits(full), bits(rl_logp.full_logprobs(x, backend="chunked", temperature=temperature)))
         assert torch.equal(bits(full.gather(1, ids)), bits(fused))
+
+
+@pytest.mark.parametrize("backend,device", invariant_targets())
+def test_scores_of_logits_that_require_grad_and_under_torch_compile(backend, device):
+    """Logits that require grad are scored without building a graph (the scores are not differentiable),
+    and a compiled caller gets eager's bits (the scores run eagerly, a graph break)."""
+    x = model_like_logits(5, 211, torch.float32, device, seed=5).requires_grad_()
+    ids = torch.randint(0, 211, (5, 3), device=device)
+    eager_cols = rl_logp.column_logprobs(x, ids, backend=backend, temperature=0.9)
+    eager_full = rl_logp.full_logprobs(x, backend=backend)
+    assert not eager_cols.requires_grad and not eager_full.requires_grad
+
+    def score(logits, columns):
+        return rl_logp.column_logprobs(logits, columns, backend=backend, temperature=0.9), \
+            rl_logp.full_logprobs(logits, backend=backend)
+
+    torch._dynamo.reset()
+    cols, full = torch.compile(score, backend="eager")(x.detach(), ids)
+    assert torch.equal(bits(cols), bits(eager_cols)) and torch.equal(bits(full), bits(eager_full))

@@ -16,7 +16,7 @@ import torch
 from rl_logp.request import LogpRequest
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RowStats:
     """Per-row results of a forward over whole rows (fp32 [n] each; None where not asked for); `logp` has
     the labels' shape ([n], or [n, K] for K labels per row), `full` every column's logprob ([n, c])."""

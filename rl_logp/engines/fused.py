@@ -59,17 +59,20 @@ class FusedEngine(LogpEngine):
 
     def row_stats(self, req: LogpRequest) -> RowStats:
         x = req.logits
-        n = x.shape[0]
-
-        def out(wanted: bool) -> torch.Tensor | None:  # separate tensors: op outputs may not alias each other
-            return torch.empty(n, dtype=torch.float32, device=x.device) if wanted else None
-
-        normalizer = req.normalizer or self.config.two_pass
+        n, device = x.shape[0], x.device
         labels = req.labels
-        stats = RowStats(row_max=out(normalizer), log_sum=out(req.normalizer), lse=out(req.normalizer),
-                         logp=None if labels is None else torch.empty(labels.shape, dtype=torch.float32, device=x.device),
-                         entropy=out(req.entropy),
-                         full=torch.empty(x.shape, dtype=torch.float32, device=x.device) if req.full else None)
+        stats = RowStats()  # separate tensors: op outputs may not alias each other
+        if req.normalizer or self.config.two_pass:
+            stats.row_max = torch.empty(n, dtype=torch.float32, device=device)
+        if req.normalizer:
+            stats.log_sum = torch.empty(n, dtype=torch.float32, device=device)
+            stats.lse = torch.empty(n, dtype=torch.float32, device=device)
+        if labels is not None:
+            stats.logp = torch.empty(labels.shape, dtype=torch.float32, device=device)
+        if req.entropy:
+            stats.entropy = torch.empty(n, dtype=torch.float32, device=device)
+        if req.full:
+            stats.full = torch.empty(x.shape, dtype=torch.float32, device=device)
         launch.row_stats(x, labels, *_temperature_args(req.temperature), req.bits, req.entropy, stats.row_max,
                          stats.log_sum, stats.lse, stats.logp, stats.entropy, self.config, stats.full)
         return stats
