@@ -3,19 +3,25 @@
 The selection itself (per row: the exact max M, bucket counts of d = M - z, the top-k key and top-p cut
 found from them, and the cut value c with kept set {z >= c}) is `kept_set_select`'s. Two launch plans,
 the same bits:
-- fused (many rows): one persistent program per row at a time does everything, four passes over the
-  row in the common case (max, counts, compaction of the bracketed keys, write), the later ones mostly
-  from L2 as the row was just read.
-- split (few rows, `KeptSetLaunch.split_rows`): the passes that dominate a lone row run on `split`
-  programs per row, each over one column range: the range's max (launch 1), its bucket counts and exact
-  mass given the row max (launch 2), then one program per row sums the counts (integers: order-free),
-  finds c (launch 3), and the ranges are written (launch 4); the ranges' smallest kept values are
-  reduced by `torch.amin`. Workspaces are sized by the shape only; no program waits on another.
+- fused (many rows): one launch of `kept_set_kernel`, one persistent program per row at a time doing
+  everything, four passes over the row in the common case (max, counts, compaction of the bracketed
+  keys, write), the later ones mostly from L2 as the row was just read. One allocation: the programs'
+  scratch rows.
+- split (few rows, `KeptSetLaunch.split_rows`): three launches of `kept_set_range_kernel`, each on
+  `split` programs per row, one per column range: (1) the range's max (and the row's arrival counter
+  zeroed); (2) the range's bucket counts and exact mass given the row max; (3) the range written and its
+  smallest kept value. Each program of launches 2 and 3 counts its arrival on the row's counter with an
+  atomic add; the last of a row to finish launch 2 sums the ranges' counts and masses (integers:
+  order-free) and finds the row's c (`cut_value`, which compacts the bracketed keys of the whole row into
+  the row's scratch), the last to finish launch 3 reduces the ranges' smallest kept values to the row's
+  threshold. The atomics only count arrivals and every reduction is exact (max, min, integer sums), so
+  which program comes last changes no bit. Every workspace is a section of one int32 allocation, sized by
+  the shape (`row_words` per row). No program waits on another.
 A last pass writes -inf outside the set (`write`) and each row gets its smallest kept value (the
 threshold `z >= threshold` that `rl_logp.sampling_mask` masks with; -inf for a row left alone: max not
-finite, or k outside (0, V) with p >= 1 or NaN). No host synchronisation, no data-dependent allocation:
-capturable in a CUDA graph. Launched without fp contraction and with libdevice's non-flushing exp, as the
-row-statistics kernel is.
+finite, or k outside (0, V) with p >= 1 or NaN). No host synchronisation, no data-dependent allocation, no
+torch op after the launches: capturable in a CUDA graph. Launched without fp contraction and with
+libdevice's non-flushing exp, as the row-statistics kernel is.
 """
 
 from __future__ import annotations
@@ -32,11 +38,9 @@ from .fixed_point import INTERPRET, Named, max_all
 from .kept_set_select import cut_value, first_counts, range_max, write_cut
 from .launch import INTERPRETER_SLOTS, on_device, sm_count
 
-MODE_FUSED: tl.constexpr = Named(0)  # rows end to end, writes included
-MODE_SELECT: tl.constexpr = Named(1)  # the split plan's launch 3: c per row from the ranges' results
-PHASE_MAX: tl.constexpr = Named(0)  # split launch 1: each range's max
-PHASE_COUNT: tl.constexpr = Named(1)  # split launch 2: each range's counts and mass
-PHASE_WRITE: tl.constexpr = Named(2)  # split launch 4: each range written, its smallest kept value
+PHASE_MAX: tl.constexpr = Named(0)  # split launch 1: each range's max, the row's arrival counter zeroed
+PHASE_COUNT: tl.constexpr = Named(1)  # split launch 2: each range's counts and mass; the row's c by the last
+PHASE_WRITE: tl.constexpr = Named(2)  # split launch 3: each range written; the row's threshold by the last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,72 +85,116 @@ def _is_active(row_max, k_on, p_on):
 
 
 @triton.jit
-def kept_set_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, SCRATCH, MAXES, COUNTS, MASSES, CUTS, n_rows, vocab, rate,
-                    q_scale, MODE: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, WRITE: tl.constexpr,
-                    BLOCK: tl.constexpr, NB: tl.constexpr, SMALL_: tl.constexpr, BIG_: tl.constexpr,
-                    PIVOTS_: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr):
-    """Rows pid, pid + programs, ...: fused, every pass here; select (split plan), c into CUTS (NaN for a
-    row left alone) from the ranges' maxima (MAXES), counts (COUNTS) and masses (MASSES)."""
+def kept_set_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, SCRATCH, n_rows, vocab, rate, q_scale, HAS_K: tl.constexpr,
+                    HAS_P: tl.constexpr, WRITE: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+                    SMALL_: tl.constexpr, BIG_: tl.constexpr, PIVOTS_: tl.constexpr):
+    """The fused plan: rows pid, pid + programs, ... end to end, each with the program's scratch row."""
     pid = tl.program_id(0)
     scratch = SCRATCH + pid.to(tl.int64) * BIG_
     row = pid.to(tl.int64)
     while row < n_rows:
         row_ptr = Z + row * stride
         k, p, k_on, p_on = _row_parameters(TOP_K, TOP_P, row, vocab, HAS_K, HAS_P)
-        if MODE == MODE_FUSED:
-            row_max = range_max(row_ptr, 0, vocab, BLOCK)
-        else:
-            s = tl.arange(0, SPLIT_PAD)
-            row_max = max_all(tl.load(MAXES + row * SPLIT + s, mask=s < SPLIT, other=float("-inf")))
-        cut = tl.full([], float("nan"), tl.float32)
+        row_max = range_max(row_ptr, 0, vocab, BLOCK)
+        threshold = tl.full([], float("-inf"), tl.float32)
         if _is_active(row_max, k_on, p_on):
-            if MODE == MODE_FUSED:
-                counts, total = first_counts(row_ptr, 0, vocab, row_max, k_on, rate, q_scale, HAS_P, BLOCK, NB)
-            else:
-                at = (row * SPLIT + s)[:, None] * NB + tl.arange(0, NB)[None, :]
-                counts = tl.sum(tl.load(COUNTS + at, mask=(s < SPLIT)[:, None], other=0), axis=0)
-                total = tl.sum(tl.load(MASSES + row * SPLIT + s, mask=s < SPLIT, other=0))
+            counts, total = first_counts(row_ptr, 0, vocab, row_max, k_on, rate, q_scale, HAS_P, BLOCK, NB)
             cut = cut_value(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, total, scratch, rate, q_scale, HAS_K,
                             HAS_P, BLOCK, NB, SMALL_, BIG_, PIVOTS_)
-        if MODE == MODE_FUSED:
-            threshold = tl.full([], float("-inf"), tl.float32)
-            if cut == cut:
-                threshold = write_cut(row_ptr, 0, vocab, cut, WRITE, BLOCK)
-            tl.store(THRESHOLD + row, threshold)
-        else:
-            tl.store(CUTS + row, cut)
+            threshold = write_cut(row_ptr, 0, vocab, cut, WRITE, BLOCK)
+        tl.store(THRESHOLD + row, threshold)
         row += tl.num_programs(0)
 
 
 @triton.jit
-def kept_set_range_kernel(Z, stride, TOP_K, TOP_P, MAXES, COUNTS, MASSES, CUTS, SMALLEST, vocab, span, rate, q_scale,
-                          PHASE: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, WRITE: tl.constexpr, BLOCK: tl.constexpr,
-                          NB: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr):
-    """Program (row, r) of the split plan on columns [r span, (r + 1) span) of the row."""
+def _row_workspace(WS, row, SPLIT: tl.constexpr, NB: tl.constexpr, BIG_: tl.constexpr, ROW_WORDS: tl.constexpr):
+    """Typed pointers to the row's sections of the split plan's int32 workspace WS, ROW_WORDS (`row_words`)
+    words a row: masses (int64 [SPLIT], first, so 8-byte aligned), counts (int32 [SPLIT, NB]), scratch
+    (int32 [BIG_]), maxes and smallest (fp32 [SPLIT] each), the cut (fp32), the arrival counter (int32)."""
+    tl.static_assert(ROW_WORDS >= 4 * SPLIT + SPLIT * NB + BIG_ + 2)
+    masses = WS + row * ROW_WORDS
+    counts = masses + 2 * SPLIT
+    scratch = counts + SPLIT * NB
+    maxes = (scratch + BIG_).to(tl.pointer_type(tl.float32), bitcast=True)
+    arrivals = (maxes + 2 * SPLIT + 1).to(tl.pointer_type(tl.int32), bitcast=True)
+    return (masses.to(tl.pointer_type(tl.int64), bitcast=True), counts, scratch, maxes, maxes + SPLIT, maxes + 2 * SPLIT,
+            arrivals)
+
+
+@triton.jit
+def _last_to_arrive(ARRIVALS, last):
+    """Count this program's arrival on the row's counter; whether it is the last one (`last` counted before
+    it). The barrier orders the stores of every thread of the program before the atomic (issued by one
+    thread), whose release (acq_rel, gpu scope) publishes them to the program that acquires a later count;
+    Triton broadcasts the atomic's result through shared memory behind a barrier (as the sm_90 PTX shows), so
+    that program's threads read after its acquire."""
+    tl.debug_barrier()
+    return tl.atomic_add(ARRIVALS, 1, sem="acq_rel", scope="gpu") == last
+
+
+@triton.jit
+def _published(ptrs, mask, other):
+    """A load of values that the row's other programs stored in this launch, after `_last_to_arrive`. `.cg`
+    reads them from L2 (the point of coherence), never from this SM's L1, which is not coherent with other
+    SMs' stores: correct without relying on the acquire invalidating L1, at no cost for these few values."""
+    return tl.load(ptrs, mask=mask, other=other, cache_modifier=".cg")
+
+
+@triton.jit
+def _split_cut(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, masses, scratch, rate, q_scale,
+               HAS_K: tl.constexpr, HAS_P: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SMALL_: tl.constexpr,
+               BIG_: tl.constexpr, PIVOTS_: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr):
+    """The row's c from its ranges' counts and masses (summed: exact integers), by the last program of the
+    row to finish counting."""
+    s = tl.arange(0, SPLIT_PAD)
+    at = s[:, None] * NB + tl.arange(0, NB)[None, :]
+    row_counts = tl.sum(_published(counts + at, (s < SPLIT)[:, None], 0), axis=0)
+    total = tl.sum(_published(masses + s, s < SPLIT, 0))
+    return cut_value(row_ptr, vocab, row_max, k, p, k_on, p_on, row_counts, total, scratch, rate, q_scale, HAS_K,
+                     HAS_P, BLOCK, NB, SMALL_, BIG_, PIVOTS_)
+
+
+@triton.jit
+def kept_set_range_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, WS, vocab, span, rate, q_scale, PHASE: tl.constexpr,
+                          HAS_K: tl.constexpr, HAS_P: tl.constexpr, WRITE: tl.constexpr, BLOCK: tl.constexpr,
+                          NB: tl.constexpr, SMALL_: tl.constexpr, BIG_: tl.constexpr, PIVOTS_: tl.constexpr,
+                          SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, ROW_WORDS: tl.constexpr):
+    """Program (row, r) of the split plan on columns [r span, (r + 1) span) of the row, launch PHASE."""
     row = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1)
-    slot = row * SPLIT + r
     row_ptr = Z + row * stride
     lo = r * span
     hi = tl.minimum(lo + span, vocab)
+    masses, counts, scratch, maxes, smallest, cuts, arrivals = _row_workspace(WS, row, SPLIT, NB, BIG_, ROW_WORDS)
+    s = tl.arange(0, SPLIT_PAD)
     if PHASE == PHASE_MAX:
-        tl.store(MAXES + slot, range_max(row_ptr, lo, hi, BLOCK))
+        tl.store(maxes + r, range_max(row_ptr, lo, hi, BLOCK))
+        if r == 0:
+            tl.store(arrivals, 0)
     elif PHASE == PHASE_COUNT:
-        s = tl.arange(0, SPLIT_PAD)
-        row_max = max_all(tl.load(MAXES + row * SPLIT + s, mask=s < SPLIT, other=float("-inf")))
-        _, _, k_on, p_on = _row_parameters(TOP_K, TOP_P, row, vocab, HAS_K, HAS_P)
-        counts = tl.zeros([NB], tl.int32)
+        row_max = max_all(tl.load(maxes + s, mask=s < SPLIT, other=float("-inf")))
+        k, p, k_on, p_on = _row_parameters(TOP_K, TOP_P, row, vocab, HAS_K, HAS_P)
+        active = _is_active(row_max, k_on, p_on)
+        range_counts = tl.zeros([NB], tl.int32)
         total = tl.full([], 0, tl.int64)
-        if _is_active(row_max, k_on, p_on):
-            counts, total = first_counts(row_ptr, lo, hi, row_max, k_on, rate, q_scale, HAS_P, BLOCK, NB)
-        tl.store(COUNTS + slot * NB + tl.arange(0, NB), counts)
-        tl.store(MASSES + slot, total)
+        if active:
+            range_counts, total = first_counts(row_ptr, lo, hi, row_max, k_on, rate, q_scale, HAS_P, BLOCK, NB)
+        tl.store(counts + r * NB + tl.arange(0, NB), range_counts)
+        tl.store(masses + r, total)
+        if _last_to_arrive(arrivals, SPLIT - 1):
+            cut = tl.full([], float("nan"), tl.float32)
+            if active:
+                cut = _split_cut(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, masses, scratch, rate, q_scale,
+                                 HAS_K, HAS_P, BLOCK, NB, SMALL_, BIG_, PIVOTS_, SPLIT, SPLIT_PAD)
+            tl.store(cuts, cut)
     else:
-        cut = tl.load(CUTS + row)
-        smallest = tl.full([], float("-inf"), tl.float32)
+        cut = tl.load(cuts)
+        least = tl.full([], float("-inf"), tl.float32)
         if cut == cut:
-            smallest = write_cut(row_ptr, lo, hi, cut, WRITE, BLOCK)
-        tl.store(SMALLEST + slot, smallest)
+            least = write_cut(row_ptr, lo, hi, cut, WRITE, BLOCK)
+        tl.store(smallest + r, least)
+        if _last_to_arrive(arrivals, 2 * SPLIT - 1):
+            tl.store(THRESHOLD + row, tl.min(_published(smallest + s, s < SPLIT, float("inf"))))
 
 
 @functools.lru_cache(maxsize=64)
@@ -162,12 +210,23 @@ def _slots(z: torch.Tensor, cfg: KeptSetLaunch) -> int:
 
 
 def split_count(z: torch.Tensor, cfg: KeptSetLaunch) -> int:
-    """Programs per row of the split plan, 1 for the fused plan."""
+    """Programs per row of the split plan, 1 for the fused plan. The split is a constexpr of the kernels,
+    so the automatic one is a power of two: a handful of compiled variants serve every batch size a
+    decode loop passes through (an explicit `cfg.split` is taken as given, up to the row's tiles)."""
     n, vocab = z.shape
     if n > cfg.split_rows:
         return 1
-    wanted = cfg.split or min(cfg.max_split, triton.cdiv(_slots(z, cfg), n))
-    return max(1, min(wanted, triton.cdiv(vocab, cfg.block)))
+    tiles = triton.cdiv(vocab, cfg.block)
+    if cfg.split:
+        return max(1, min(cfg.split, tiles))
+    wanted = min(cfg.max_split, triton.cdiv(_slots(z, cfg), n), tiles)
+    return 1 << (wanted.bit_length() - 1)
+
+
+def row_words(split: int, cfg: KeptSetLaunch) -> int:
+    """int32 words of one row's workspace in the split plan (its sections: `_row_workspace`), rounded up to
+    a multiple of 32 so that each row starts on a 128-byte line."""
+    return triton.cdiv(4 * split + split * cfg.buckets + cfg.big + 2, 32) * 32
 
 
 def kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, bits: int,
@@ -176,7 +235,7 @@ def kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | 
     dimension contiguous), and with `write` set z to -inf outside the kept set, in place.
 
     `top_k`: int32/int64 [n] or None; `top_p`: fp32 [n] or None (contiguous); `bits`: the fixed-point F
-    (<= 62); `launch`: the launch parameters.
+    (<= 62); `launch`: the launch parameters. One allocation and one launch (fused plan) or three (split).
     """
     n, vocab = z.shape
     if top_k is None and top_p is None:
@@ -187,30 +246,21 @@ def kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | 
     cfg = launch
     split = split_count(z, cfg)
     rate, q_scale = bucket_rate(bits, cfg.buckets), float(2.0**bits)
-    common = {"BLOCK": cfg.block, "NB": cfg.buckets, "num_warps": cfg.warps, "enable_fp_fusion": False,
-              "enable_reflect_ftz": False, **({} if INTERPRET else {"maxnreg": cfg.max_registers})}
-    sizes = {"SMALL_": cfg.small, "BIG_": cfg.big, "PIVOTS_": cfg.pivots, "SPLIT": split,
-             "SPLIT_PAD": triton.next_power_of_2(split)}
-    flags = {"HAS_K": top_k is not None, "HAS_P": top_p is not None, "WRITE": write}
+    options = {"HAS_K": top_k is not None, "HAS_P": top_p is not None, "WRITE": write, "BLOCK": cfg.block,
+               "NB": cfg.buckets, "SMALL_": cfg.small, "BIG_": cfg.big, "PIVOTS_": cfg.pivots, "num_warps": cfg.warps,
+               "enable_fp_fusion": False, "enable_reflect_ftz": False,
+               **({} if INTERPRET else {"maxnreg": cfg.max_registers})}
     with on_device(z):  # Triton launches on the current device's stream
         if split == 1:
             programs = n if INTERPRET or not z.is_cuda else max(1, min(n, _slots(z, cfg)))
             scratch = torch.empty((programs, cfg.big), dtype=torch.int32, device=z.device)
-            kept_set_kernel[(programs,)](z, z.stride(0), top_k, top_p, threshold, scratch, None, None, None, None, n, vocab,
-                                         rate, q_scale, MODE=MODE_FUSED.value, **flags, **sizes, **common)
+            kept_set_kernel[(programs,)](z, z.stride(0), top_k, top_p, threshold, scratch, n, vocab, rate, q_scale,
+                                         **options)
             return
-        maxes = torch.empty((n, split), dtype=torch.float32, device=z.device)
-        counts = torch.empty((n, split, cfg.buckets), dtype=torch.int32, device=z.device)
-        masses = torch.empty((n, split), dtype=torch.int64, device=z.device)
-        cuts = torch.empty(n, dtype=torch.float32, device=z.device)
-        smallest = torch.empty((n, split), dtype=torch.float32, device=z.device)
-        scratch = torch.empty((n, cfg.big), dtype=torch.int32, device=z.device)
+        words = row_words(split, cfg)
+        workspace = torch.empty(n * words, dtype=torch.int32, device=z.device)
         span = triton.cdiv(triton.cdiv(vocab, split), cfg.block) * cfg.block
-        ranges = (z, z.stride(0), top_k, top_p, maxes, counts, masses, cuts, smallest, vocab, span, rate, q_scale)
-        range_sizes = {"SPLIT": split, "SPLIT_PAD": sizes["SPLIT_PAD"]}
-        for phase in (PHASE_MAX, PHASE_COUNT):
-            kept_set_range_kernel[(n, split)](*ranges, PHASE=phase.value, **flags, **range_sizes, **common)
-        kept_set_kernel[(n,)](z, z.stride(0), top_k, top_p, threshold, scratch, maxes, counts, masses, cuts, n, vocab, rate,
-                              q_scale, MODE=MODE_SELECT.value, **flags, **sizes, **common)
-        kept_set_range_kernel[(n, split)](*ranges, PHASE=PHASE_WRITE.value, **flags, **range_sizes, **common)
-        torch.amin(smallest, dim=1, out=threshold)
+        ranges = {"SPLIT": split, "SPLIT_PAD": triton.next_power_of_2(split), "ROW_WORDS": words}
+        for phase in (PHASE_MAX, PHASE_COUNT, PHASE_WRITE):
+            kept_set_range_kernel[(n, split)](z, z.stride(0), top_k, top_p, threshold, workspace, vocab, span, rate,
+                                              q_scale, PHASE=phase.value, **ranges, **options)

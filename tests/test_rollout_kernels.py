@@ -91,16 +91,18 @@ def test_kept_set_kernel_fallbacks_are_the_contract(device, small, big):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("batch,split,buckets,big", [(1, 5, 32, 4096), (3, 3, 128, 64), (7, 2, 64, 16)],
-                         ids=["one-row", "three-rows-large-sort", "seven-rows-bisection"])
-def test_kept_set_split_plan_is_the_contract(device, batch, split, buckets, big):
-    """The split plan (column ranges on several programs per row, four launches) on small shapes: tiles of
-    64 so that every row is cut into `split` ranges, edge rows included (at batch 7: part -inf, all -inf,
-    NaN, +inf), k in the hundreds (a bracket above `big` is bisected) and p's special values."""
+@pytest.mark.parametrize("batch,split,block,buckets,big",
+                         [(1, 5, 64, 32, 4096), (3, 3, 64, 128, 64), (7, 2, 64, 64, 16), (4, 8, 32, 128, 256)],
+                         ids=["one-row", "three-rows-large-sort", "seven-rows-bisection", "four-rows-split-8"])
+def test_kept_set_split_plan_is_the_contract(device, batch, split, block, buckets, big):
+    """The split plan (column ranges on several programs per row, three launches) on small shapes: tiles of
+    32 or 64 so that every row is cut into `split` ranges, the last one shorter (split 5: [384, 400) and an
+    empty one), edge rows included (at batch 7: part -inf, all -inf, NaN, +inf), rows left alone (k <= 0
+    with top-k alone), k in the hundreds (a bracket above `big` is bisected) and p's special values."""
     from rl_logp.kernels.kept_set import KeptSetLaunch, split_count
 
     gen = torch.Generator().manual_seed(batch)
-    vocab, launch = 400, {"block": 64, "split": split, "buckets": buckets, "small": 16, "big": big}
+    vocab, launch = 400, {"block": block, "split": split, "buckets": buckets, "small": 16, "big": big}
     differing = 0
     for kind in ("integers (many ties)", "bf16-rounded"):
         z = rows(kind, batch + 4, vocab, device, gen)[4:] if batch < 7 else rows(kind, batch, vocab, device, gen)
@@ -116,6 +118,59 @@ def test_kept_set_split_plan_is_the_contract(device, batch, split, buckets, big)
             fused, fused_threshold = kernel_mask(z, top_k, top_p, **{**launch, "split_rows": 0})
             differing += mismatches(fused, masked) + mismatches(fused_threshold, threshold)
     assert differing == 0
+
+
+@pytest.fixture
+def shuffled_programs(monkeypatch) -> list[list[int]]:
+    """Triton's interpreter runs each launch's programs in a new random order (fixed seed) instead of in
+    grid order, so that any program of a row, not only its last range, can be the last to arrive. Returns
+    the orders, one list of linear program ids per launch."""
+    from triton.runtime import interpreter
+
+    builder, gen, orders = interpreter.interpreter_builder, torch.Generator().manual_seed(5), []
+    set_grid_idx = builder.set_grid_idx
+
+    def shuffled(x, y, z):
+        _, ny, nz = builder.grid_dim
+        if (x, y, z) == (0, 0, 0):
+            orders.append(torch.randperm(builder.grid_dim[0] * ny * nz, generator=gen).tolist())
+        i = orders[-1][(x * ny + y) * nz + z]
+        set_grid_idx(i // (ny * nz), i // nz % ny, i % nz)
+
+    monkeypatch.setattr(builder, "set_grid_idx", shuffled)
+    return orders
+
+
+@pytest.mark.skipif(not INTERPRET, reason="TRITON_INTERPRET is off")
+def test_kept_set_split_plan_in_any_arrival_order(shuffled_programs):
+    """The split plan with its programs run in shuffled orders (rows interleaved, a row's ranges in any
+    order): the last arrival of each row, whichever program it is, finds the row's cut and threshold. Four
+    rows on split 3 (not a power of two; the last range shorter), one row all -inf and one with k <= 0 and
+    p = 1 (left alone), with and without `write`; the same bits as the contract and the fused plan."""
+    from rl_logp.kernels.kept_set import KeptSetLaunch, kept_set, split_count
+
+    gen = torch.Generator().manual_seed(11)
+    z = rows("integers (many ties)", 6, 400, "cpu", gen)[[4, 1, 5, 0]]  # random, all -inf, random, half -inf
+    k = torch.tensor([250, 3, 0, 40], dtype=torch.int32)
+    p = torch.tensor([0.9, 0.5, 1.0, 0.3])
+    launch = {"block": 64, "split": 3, "small": 16, "big": 256}
+    assert split_count(z, KeptSetLaunch(**launch)) == 3
+    differing = 0
+    for top_k, top_p in ((k, None), (None, p), (k, p)):
+        masked, threshold = kernel_mask(z, top_k, top_p, **launch)
+        want = contract_mask(z, top_k, top_p)
+        differing += mismatches(masked, want) + mismatches(contract_mask_by(z, threshold), want)
+        fused, fused_threshold = kernel_mask(z, top_k, top_p, **{**launch, "split_rows": 0})
+        differing += mismatches(fused, masked) + mismatches(fused_threshold, threshold)
+        assert torch.isneginf(threshold[1:3]).all() and not torch.isneginf(threshold[[0, 3]]).any()
+    left, threshold_only = z.clone(), torch.empty(4)
+    kept_set(left, k, p, 40, threshold_only, write=False, launch=KeptSetLaunch(**launch))
+    differing += mismatches(left, z) + mismatches(threshold_only, threshold)
+    assert differing == 0
+    split_orders = [order for order in shuffled_programs if len(order) == 4 * 3]  # launches of the split plan
+    assert len(split_orders) == 4 * 3
+    last = {max((order.index(row * 3 + r), r) for r in range(3))[1] for order in split_orders for row in range(4)}
+    assert last == {0, 1, 2}  # each range was the last of its row to run in some launch
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -162,8 +217,9 @@ def test_cuda_mask_logits_is_the_contract_at_rollout_size(batch):
 
 @needs_cuda
 @pytest.mark.parametrize("batch", [1, 8, 64])
-@pytest.mark.parametrize("launch", [{"split_rows": 0}, {}, {"split": 7, "buckets": 1024}, {"split": 64, "block": 1024}],
-                         ids=["fused", "default", "split-7", "split-64"])
+@pytest.mark.parametrize("launch", [{"split_rows": 0}, {}, {"split": 7, "buckets": 1024}, {"split": 8},
+                                    {"split": 64, "block": 1024}],
+                         ids=["fused", "default", "split-7", "split-8", "split-64"])
 def test_cuda_kept_set_plans_are_the_contract(batch, launch):
     """Both launch plans at rollout size, with k up to thousands, against the contract and each other."""
     z = model_like_logits(batch, 151936, torch.bfloat16, "cuda", seed=batch + 1).float() / 0.7
@@ -174,3 +230,46 @@ def test_cuda_kept_set_plans_are_the_contract(batch, launch):
         masked, threshold = kernel_mask(z, top_k, top_p, **launch)
         want = contract_mask(z, top_k, top_p)
         assert mismatches(masked, want) == 0 and mismatches(contract_mask_by(z, threshold), want) == 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("launch", [{}, {"split": 8}], ids=["default", "split-8"])
+def test_cuda_split_plan_replays_in_a_cuda_graph(launch):
+    """The split plan at one and eight rows, eager without a host sync, and captured once in a CUDA graph
+    then replayed on two inputs: launch 1 zeroes the arrival counters again at each replay, so every
+    replay gives the eager bits."""
+    from rl_logp.kernels.kept_set import KeptSetLaunch, kept_set, split_count
+
+    for batch in (1, 8):
+        inputs = [model_like_logits(batch, 151936, torch.bfloat16, "cuda", seed=s).float() / 0.7 for s in (1, 2)]
+        k = torch.full((batch,), 50, dtype=torch.int32, device="cuda")
+        p = torch.full((batch,), 0.9, device="cuda")
+        cfg = KeptSetLaunch(**launch)
+        assert split_count(inputs[0], cfg) > 1
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = [kernel_mask(x, k, p, **launch) for x in inputs]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        static, threshold = inputs[0].clone(), torch.empty(batch, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            kept_set(static, k, p, 40, threshold, write=True, launch=cfg)
+        for x, (masked, want_threshold) in zip(inputs, eager, strict=True):
+            static.copy_(x)
+            graph.replay()
+            assert mismatches(static, masked) == 0 and mismatches(threshold, want_threshold) == 0
+
+
+def test_automatic_split_is_a_power_of_two(monkeypatch):
+    """The split is a constexpr of the kernels: over every batch size a decode loop passes through (1 to 64
+    rows on a 132-SM GPU's 264 slots) the automatic choice takes a handful of values, each a power of two,
+    so a batch size seen for the first time does not compile the kernels again."""
+    from rl_logp.kernels import kept_set as module
+
+    monkeypatch.setattr(module, "_slots", lambda z, cfg: 264)
+    cfg = module.KeptSetLaunch()
+    splits = {n: module.split_count(torch.empty((n, 151936), device="meta"), cfg) for n in range(1, 129)}
+    assert all(s & (s - 1) == 0 for s in splits.values())
+    assert set(splits.values()) == {1, 4, 8, 16, 32}
+    assert splits[1] == 32 and splits[64] == 4 and splits[65] == 1  # 38 tiles of 4096; past split_rows: fused
