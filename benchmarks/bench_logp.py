@@ -285,7 +285,7 @@ def run_sweep(args, device, bandwidth, report: Report) -> None:
     out = torch.empty_like(inputs[0])
     elem_bytes = n * args.vocab * 2
     floor = {"forward_ms": elem_bytes / bandwidth * 1e3, "backward_ms": 2 * elem_bytes / bandwidth * 1e3}
-    for overrides in sweep_variants(args.smoke):
+    for overrides in args.variants or sweep_variants(args.smoke):
         engine = FusedEngine(dataclasses.replace(LaunchConfig(), **overrides))
         row = {"suite": "sweep", "provider": json.dumps(overrides) if overrides else "default", "rows": n,
                "vocab": args.vocab, "floor": floor}
@@ -473,6 +473,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--rollout-reps", type=int, default=200)
     parser.add_argument("--suites", nargs="+", default=["main", "rollout"], choices=["main", "sweep", "rollout", "tp", "overhead"])
+    parser.add_argument("--variants", type=json.loads, default=None,
+                        help="sweep: a JSON list of LaunchConfig overrides to time instead of the built-in list "
+                             "(e.g. '[{}, {\"maxnreg\": 64}]')")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (fused under TRITON_INTERPRET=1)")
     parser.add_argument("--out", default="benchmarks/results/bench_logp.json")
     args = parser.parse_args()

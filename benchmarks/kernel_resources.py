@@ -1,43 +1,54 @@
-"""Compile the fused kernels for sm_90 without a GPU and report registers, spills and the SASS mix.
+"""Compile the fused kernels for sm_90 without a GPU; report registers, spills and SASS per logit.
 
-Triton's wheel carries ptxas and nvdisasm, so this runs on any x86-64 machine: it is how the launch
-parameters were chosen before spending device time. For each configuration it prints registers per
-thread, spill bytes, the programs one SM can hold (by registers and warps), and the SASS instructions
-per logit (the static instructions of the kernel, times the threads, over the logits of one tile: the
-loop bodies run once per tile, so this counts the per-row code, which runs once per row, as if it ran
-per tile: an upper bound that orders the variants).
+Triton's wheel carries ptxas and nvdisasm, so this runs on any x86-64 machine: it is how launch
+parameters and kernel changes are weighed before spending device time. Each kernel is specialised the
+way a launch specialises it (`kernels.launch`'s argument builders, Triton's own binder, the default
+`LaunchConfig` unless flags say otherwise), for a [rows, V] call as `rl_logp.logprobs` makes it with its
+normaliser (M, L, lse, logp; with entropy also H).
 
-    python benchmarks/kernel_resources.py
+For the forward it prints, per variant, registers and spill bytes per thread, the programs one SM can
+hold, and the SASS instructions per logit of its hot loops: the max scan, the sums, and the sums of a
+row that divides by `div_rn` (a separate loop). A loop is the code between a predicated backward branch
+and its target; its count is the shortest path through it from the target to that branch (the common
+case: a skipped slow-path call counts nothing), divided by the logits one thread loads on that path.
+`--show` adds the opcode mix of each loop's path; `--maxnreg`, `--chunk`, `--lane`, `--warps` try launch
+variants. With `--backward`, the backward kernel (no loop: one tile per program) gets the whole kernel's
+static count per logit, an upper bound.
+
+    python benchmarks/kernel_resources.py [--dtype bf16] [--vocab 151936] [--show] [--backward]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
+import heapq
 import os
 import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
-from rl_logp.kernels import fixed_point, grad, row_stats
-from rl_logp.kernels.fixed_point import split_constants
+from rl_logp.kernels import fixed_point, grad, launch, row_stats
 
 TARGET = GPUTarget("cuda", 90, 32)
-DIV16 = [["tt.divisibility", 16]]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LOAD_BYTES = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
 
 
-def compile_kernel(fn, signature: dict, constexprs: dict, warps: int, divisible: list[str]):
-    names = fn.arg_names
-    attrs = {(names.index(a),): DIV16 for a in divisible}
-    sig = dict(signature)
-    for k in constexprs:
-        sig[k] = "constexpr"
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": warps, "enable_fp_fusion": False})
+def compile_launch(fn, args: tuple, options: dict):
+    """The kernel `fn[grid](*args, **options)` would compile on an sm_90 GPU (same specialisation)."""
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, parsed = binder(*args, **options)
+    parsed, signature, constexprs, attrs = fn._pack_args(backend, options, bound, specialization, parsed)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=parsed.__dict__)
 
 
 def _tool(name: str) -> str:
@@ -57,85 +68,191 @@ def registers(kernel) -> tuple[int, int]:
     return int(re.search(r"REG:(\d+)", text).group(1)), int(re.search(r"LOCAL:(\d+)", text).group(1))
 
 
-def sass_mix(kernel) -> collections.Counter:
-    text = _run_on_cubin(kernel, _tool("nvdisasm"), "-c")
-    ops = collections.Counter()
-    for line in text.splitlines():
-        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
-        if m:
-            ops[m.group(2)] += 1
-    return ops
-
-
 def programs_per_sm(regs: int, warps: int) -> int:
     regs_per_warp = ((max(regs, 1) * 32 + 255) // 256) * 256
     return min(65536 // (regs_per_warp * warps), 64 // warps, 32)
 
 
-def forward(chunk: int, lane: int, warps: int, quant: int, entropy: bool, temp_mode: int, div: int = 0,
-            dtype: str = "bf16"):
-    """The whole-row forward kernel, finishing rows (logp, lse, M, L and, with `entropy`, the entropy)."""
-    sig = {
-        "X": f"*{dtype}", "stride_x": "i32", "LABELS": "*i64", "t_scalar": "fp32", "OUT_MAX": "*fp32",
-        "OUT_LOGSUM": "*fp32", "OUT_LSE": "*fp32", "OUT_LOGP": "*fp32", "OUT_ENT": "*fp32", "n_rows": "i32",
-        "n_cols": "i32", "q_scale": "fp32", "log_scale": "fp32",
-    }
-    const = {
-        "TEMP": None, "MAX_IN": None, "OUT_S": None, "OUT_E": None, "MAX_FROM": row_stats.MAX_SCAN.value,
-        "RESULT": row_stats.RESULT_ROW.value, "TEMP_MODE": temp_mode, "DIV": div, "ENTROPY": entropy,
-        "CHUNK": chunk, "LANE": lane, "QUANT": quant,
-        **dict(zip(("HI_BIAS", "LO_BIAS", "LO_BITS", "HI_PATTERN", "LO_PATTERN"), split_constants(40), strict=True)),
-    }
-    if temp_mode == fixed_point.TEMP_ROWS.value:
-        del const["TEMP"]
-        sig["TEMP"] = "*fp32"
-    if not entropy:
-        const["OUT_ENT"] = None
-        del sig["OUT_ENT"]
-    return compile_kernel(row_stats.row_stats_kernel, sig, const, warps, ["X", "stride_x", "n_cols"])
+@dataclasses.dataclass
+class Instr:
+    address: int
+    opcode: str
+    guarded: bool  # predicated: a branch may fall through
+    target: str | None  # a branch's label
 
 
-def backward(block: int, warps: int, entropy: bool, temp_mode: int, div: int = 0):
-    sig = {
-        "X": "*bf16", "stride_x": "i32", "DX": "*bf16", "stride_dx": "i32", "LABELS": "*i64",
-        "label_offset": "i32", "vocab_total": "i32", "t_scalar": "fp32", "ROW_MAX": "*fp32",
-        "LOG_SUM": "*fp32", "ENT": "*fp32", "G_LP": "*fp32", "stride_g_lp": "i32", "G_H": "*fp32",
-        "stride_g_h": "i32", "n_cols": "i32",
-    }
-    const = {"TEMP": None, "TEMP_MODE": temp_mode, "DIV": div, "LOGP": True, "ENTROPY": entropy, "BLOCK": block}
-    return compile_kernel(grad.grad_kernel, sig, const, warps, ["X", "DX", "stride_x", "stride_dx", "n_cols"])
+INSTR = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);")
+LABEL = re.compile(r"^(\.L_x_\d+):")
+
+
+def sass(kernel) -> tuple[list[Instr], dict[str, int]]:
+    """The kernel's instructions (index order) and the instruction index of each label."""
+    instrs, labels = [], {}
+    for line in _run_on_cubin(kernel, _tool("nvdisasm"), "-c").splitlines():
+        label = LABEL.match(line)
+        if label:
+            labels[label.group(1)] = len(instrs)
+            continue
+        m = INSTR.match(line)
+        if m:
+            target = re.search(r"`\((\.L_x_\d+)\)", m.group(4)) if m.group(3).startswith("BRA") else None
+            instrs.append(Instr(int(m.group(1), 16), m.group(3), m.group(2) is not None,
+                                target.group(1) if target else None))
+    return instrs, labels
+
+
+def hot_loops(instrs: list[Instr], labels: dict[str, int]) -> list[tuple[int, int]]:
+    """(first, last) instruction indices of each innermost loop that loads from global memory."""
+    # A loop's back edge is a predicated branch (an unconditional one jumps back from out-of-line code).
+    loops = [(labels[ins.target], i) for i, ins in enumerate(instrs)
+             if ins.target and ins.guarded and labels[ins.target] <= i]
+    inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    return [(a, b) for a, b in inner if any(ins.opcode.startswith("LDG") for ins in instrs[a:b + 1])]
+
+
+def shortest_path(instrs: list[Instr], labels: dict[str, int], first: int, last: int) -> list[Instr]:
+    """The fewest instructions from `first` to the back-edge branch at `last`, within the loop."""
+    best, queue, came = {first: 1}, [(1, first)], {}
+    while queue:
+        cost, i = heapq.heappop(queue)
+        if i == last:
+            break
+        if cost > best[i]:
+            continue
+        ins = instrs[i]
+        nexts = []
+        if ins.target is not None:
+            nexts.append(labels[ins.target])
+        # Only an unpredicated plain BRA or EXIT never falls through (BRA.DIV branches on divergence).
+        if ins.guarded or ins.opcode not in ("BRA", "EXIT"):
+            nexts.append(i + 1)
+        for j in nexts:
+            if first <= j <= last and cost + 1 < best.get(j, 1 << 30):
+                best[j], came[j] = cost + 1, i
+                heapq.heappush(queue, (cost + 1, j))
+    path, i = [], last
+    while True:
+        path.append(instrs[i])
+        if i == first:
+            return path[::-1]
+        i = came[i]
+
+
+def loaded_bytes(path: list[Instr]) -> int:
+    total = 0
+    for ins in path:
+        if ins.opcode.startswith("LDG"):
+            width = [LOAD_BYTES[p] for p in ins.opcode.split(".")[1:] if p in LOAD_BYTES]
+            total += width[0] if width else 4
+    return total
+
+
+def loop_costs(kernel, element_bytes: int) -> dict[str, tuple[float, collections.Counter]]:
+    """{'max': ..., 'sums': ..., 'sums div_rn': ...}: SASS instructions per logit of each kind of hot loop
+    (the cheapest loop of a kind: an unrolled loop's remainder loop is a second one) and its opcode mix."""
+    instrs, labels = sass(kernel)
+    out = {}
+    for first, last in hot_loops(instrs, labels):
+        path = shortest_path(instrs, labels, first, last)
+        ops = collections.Counter(ins.opcode.split(".")[0] for ins in path)
+        mufu = {ins.opcode.split(".")[1] for ins in path if ins.opcode.startswith("MUFU.")}
+        if "EX2" in mufu:
+            name = "sums div_rn" if "RCP" in mufu else "sums"
+        else:
+            name = "max" if any("MNMX" in op for op in ops) else f"loop@{instrs[first].address:x}"
+        cost = len(path) * element_bytes / loaded_bytes(path)
+        if name not in out or cost < out[name][0]:  # an unrolled loop beside its remainder: the main one
+            out[name] = (cost, ops)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    temp_mode: int
+    entropy: bool
+
+
+VARIANTS = [
+    Variant("T=1", fixed_point.TEMP_NONE.value, False),
+    Variant("T=0.7", fixed_point.TEMP_SCALAR.value, False),
+    Variant("T rows", fixed_point.TEMP_ROWS.value, False),
+    Variant("T=1 +entropy", fixed_point.TEMP_NONE.value, True),
+    Variant("T=0.7 +entropy", fixed_point.TEMP_SCALAR.value, True),
+    Variant("T rows +entropy", fixed_point.TEMP_ROWS.value, True),
+]
+
+
+def forward(variant: Variant, cfg: launch.LaunchConfig, vocab: int, dtype: torch.dtype, maxnreg: int | None = None):
+    """The row_stats_kernel of one `rl_logp.logprobs` call (normaliser kept, one label per row)."""
+    n = 2
+    x = torch.empty(n, vocab, dtype=dtype)
+    out = lambda: torch.empty(n)  # noqa: E731
+    rows = torch.ones(n) if variant.temp_mode == fixed_point.TEMP_ROWS.value else None
+    outs = (out(), out(), out(), out(), out() if variant.entropy else None)
+    _, args, options = launch.forward_launch(
+        x, torch.zeros(n, dtype=torch.int64), variant.temp_mode, rows, 0.7, None, outs, (None, None), 40,
+        variant.entropy, row_stats.MAX_SCAN.value, row_stats.RESULT_ROW.value, cfg)
+    if maxnreg is not None:
+        options = {**options, "maxnreg": maxnreg}
+    return compile_launch(row_stats.row_stats_kernel, args, options)
+
+
+def backward(variant: Variant, cfg: launch.LaunchConfig, vocab: int, dtype: torch.dtype):
+    n = 2
+    x = torch.empty(n, vocab, dtype=dtype)
+    row = lambda: torch.empty(n)  # noqa: E731
+    rows = torch.ones(n) if variant.temp_mode == fixed_point.TEMP_ROWS.value else None
+    args = (x, x.stride(0), x, x.stride(0), torch.zeros(n, dtype=torch.int64), 0, vocab, rows, 0.7, row(), row(),
+            row() if variant.entropy else None, row(), 1, row() if variant.entropy else None, 1, vocab)
+    options = {"TEMP_MODE": variant.temp_mode, "DIV": cfg.div, "LOGP": True, "ENTROPY": variant.entropy,
+               "BLOCK": cfg.grad_block, "num_warps": cfg.grad_warps, "enable_fp_fusion": False,
+               "enable_reflect_ftz": cfg.ftz}
+    return compile_launch(grad.grad_kernel, args, options)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--show", action="store_true", help="print the full SASS mix of each kernel")
-    parser.add_argument("--quick", action="store_true", help="only the first configuration of each kernel")
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
+    parser.add_argument("--show", action="store_true", help="print the opcode mix of each hot loop's path")
+    parser.add_argument("--backward", action="store_true", help="also the backward kernel")
+    parser.add_argument("--maxnreg", type=int, help="cap the forward's registers per thread (ptxas .maxnreg)")
+    for field in ("chunk", "lane", "warps"):
+        parser.add_argument(f"--{field}", type=int, help=f"LaunchConfig.{field} (default: LaunchConfig's)")
     args = parser.parse_args()
-    print(f"{'kernel':58s} {'regs':>4s} {'spill':>5s} {'prog/SM':>7s} {'SASS/logit':>10s} {'MUFU':>5s} {'F2I':>4s}")
-    rows = []
-    fp = fixed_point
-    modes = ((fp.TEMP_NONE.value, 0), (fp.TEMP_SCALAR.value, fp.DIV_IEEE.value),
-             (fp.TEMP_SCALAR.value, fp.DIV_RECIPROCAL.value))
-    configs = [(4096, 1, 8), (4096, 8, 8), (8192, 8, 8), (2048, 8, 4)]
-    for chunk, lane, warps in configs[: 1 if args.quick else None]:
-        for quant in (fp.QUANT_SPLIT.value, fp.QUANT_CAST.value):
-            for entropy in (False, True):
-                for temp, div in modes:
-                    name = f"fwd chunk={chunk} lane={lane} w={warps} q={quant} ent={int(entropy)} T={temp} div={div}"
-                    rows.append((name, forward(chunk, lane, warps, quant, entropy, temp, div), chunk, warps))
-    for block, warps in [(4096, 8), (8192, 16), (2048, 4)][: 1 if args.quick else None]:
-        for entropy in (False, True):
-            for temp, div in modes:
-                rows.append((f"bwd block={block} w={warps} ent={int(entropy)} T={temp} div={div}",
-                             backward(block, warps, entropy, temp, div), block, warps))
-    for name, k, elems, warps in rows:
-        mix = sass_mix(k)
-        regs, local = registers(k)
-        per_logit = 32 * warps / elems  # each thread runs a loop body once per tile of `elems` logits
-        print(f"{name:58s} {regs:4d} {local:5d} {programs_per_sm(regs, warps):7d} "
-              f"{sum(mix.values()) * per_logit:10.2f} {mix['MUFU'] * per_logit:5.2f} {mix['F2I'] * per_logit:4.2f}")
+    cfg = launch.LaunchConfig()
+    cfg = dataclasses.replace(cfg, **{f: getattr(args, f) for f in ("chunk", "lane", "warps") if getattr(args, f)})
+    dtype = DTYPES[args.dtype]
+    quant = launch._quant(args.vocab, 40, cfg.chunk, cfg.lane, cfg.quant)
+    print(f"forward, {args.dtype} x {args.vocab}: chunk {cfg.chunk}, lane {cfg.lane}, warps {cfg.warps}, "
+          f"quant {'split' if quant == fixed_point.QUANT_SPLIT.value else 'cast'}, "
+          f"div {'reciprocal' if cfg.div == fixed_point.DIV_RECIPROCAL.value else 'ieee'}"
+          + (f", maxnreg {args.maxnreg}" if args.maxnreg else ""))
+    print("SASS instructions per logit of each hot loop's common path; 'div_rn rows': the sums loop of rows that"
+          "\ndivide per element (a row whose T or max is out of the reciprocal's range, or whose T fails the pair"
+          " check)")
+    print(f"{'variant':16s} {'regs':>4s} {'spill':>5s} {'prog/SM':>7s} {'max scan':>8s} {'sums':>6s} {'total':>6s} "
+          f"{'div_rn rows':>11s}")
+    for variant in VARIANTS:
+        kernel = forward(variant, cfg, args.vocab, dtype, args.maxnreg)
+        regs, local = registers(kernel)
+        loops = loop_costs(kernel, dtype.itemsize)
+        scan = loops["max"][0]
+        sums = loops["sums"][0] if "sums" in loops else loops["sums div_rn"][0]
+        divided = f"{loops['sums div_rn'][0]:11.2f}" if "sums div_rn" in loops and "sums" in loops else f"{'':11s}"
+        print(f"{variant.name:16s} {regs:4d} {local:5d} {programs_per_sm(regs, cfg.warps):7d} {scan:8.2f} {sums:6.2f} "
+              f"{scan + sums:6.2f} {divided}")
         if args.show:
-            print("   ", dict(mix.most_common(25)))
+            for name, (_, ops) in loops.items():
+                print(f"    {name}: {dict(ops.most_common())}")
+    if args.backward:
+        print(f"\nbackward, block {cfg.grad_block}, warps {cfg.grad_warps}: whole kernel, static")
+        for variant in VARIANTS:
+            kernel = backward(variant, cfg, args.vocab, dtype)
+            regs, local = registers(kernel)
+            instrs, _ = sass(kernel)
+            print(f"{variant.name:16s} {regs:4d} {local:5d} {len(instrs) * 32 * cfg.grad_warps / cfg.grad_block:10.2f}")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ class LaunchConfig:
     program per row); two_pass: the row max in a launch of its own, then the sums (both passes read the
     logits from HBM; the default re-reads each row right after scanning it, mostly from L2); quant:
     QUANT_SPLIT or QUANT_CAST (the split is used where it is exact); div: DIV_IEEE or DIV_RECIPROCAL (the
-    IEEE quotient either way; the interpreter's fma is not fused, so it divides with div_rn); ftz:
+    IEEE quotient either way; the interpreter defaults to div_rn, the reference the reciprocal paths are
+    tested against); maxnreg: a cap on the forward's registers per thread (0: the compiler's choice); ftz:
     libdevice's flush-to-zero `exp` (torch's CUDA `exp` is not flushed: False keeps subnormal results the
     same bits); grad_block, grad_warps: the backward's tile and warps.
     """
@@ -59,6 +60,7 @@ class LaunchConfig:
     two_pass: bool = False
     quant: int = QUANT_SPLIT.value
     div: int = DIV_IEEE.value if INTERPRET else DIV_RECIPROCAL.value
+    maxnreg: int = 48
     ftz: bool = False
     grad_block: int = 4096
     grad_warps: int = 4
@@ -95,7 +97,10 @@ def _forward_settings(vocab: int, bits: int, entropy: bool, max_from: int, resul
     settings) and its options: built once per settings, not at every call."""
     tail = (float(2.0**bits), 2.0**-bits, max_from, result, temp_mode, cfg.div, entropy, cfg.chunk, cfg.lane,
             _quant(vocab, bits, cfg.chunk, cfg.lane, cfg.quant), *split_constants(bits))
-    return tail, {"num_warps": cfg.warps, "enable_fp_fusion": False, "enable_reflect_ftz": cfg.ftz}
+    options = {"num_warps": cfg.warps, "enable_fp_fusion": False, "enable_reflect_ftz": cfg.ftz}
+    if cfg.maxnreg and not INTERPRET:
+        options["maxnreg"] = cfg.maxnreg
+    return tail, options
 
 
 def forward_launch(x, labels, temp_mode, temp_rows, t_scalar, max_in, outs, sums, bits, entropy, max_from, result,

@@ -1,13 +1,15 @@
 """The forward kernel: per-row statistics of the invariant-logp contract, whole rows per program.
 
 A program takes rows `pid, pid + P, pid + 2P, ...` (P programs, persistent). For each row:
-1. (`MAX_SCAN`) the exact max of x over the row, tile by tile, divided once by T (correctly rounded
-   division is monotonic), -0.0 made +0.0, NaN for a row whose temperature is not finite and > 0; or
+1. (`MAX_SCAN`) the exact max of x over the row, tile by tile in x's own type (`max_start`), divided
+   once by T (correctly rounded division is monotonic), -0.0 made +0.0, NaN for a row whose temperature
+   is not finite and > 0; or
    (`MAX_GIVEN`) the max read from `MAX_IN` (an earlier launch's, or the all-reduced max of a vocab shard);
 2. unless only the max is asked for (`RESULT_MAX`): a second pass over the row (read again: from L2 when
    the row was just scanned) sums trunc(exp(z - M) 2^F) and, with ENTROPY, trunc(exp(z - M)(M - z) 2^F)
    in per-lane exact integers (see `kernels.fixed_point`; a lane adds LANE adjacent terms in registers
-   first, so the accumulators take CHUNK / LANE registers), one reduction per row;
+   first, so the accumulators take CHUNK / LANE registers), one reduction per row; a row divided with
+   the reciprocal (`row_divisor`) and one divided by `div_rn` run separate loops (`row_sums`);
 3. `RESULT_ROW`: the row's finish in the kernel (`finalize_row`: L = fp32(log(S 2^-F)) in fp64, the
    contract's lse, logp = (z[y] - M) - L for each of a row's `n_picks` labels and the entropy), each
    output stored where its pointer is given; with `OUT_FULL`, a third pass writes (z - M) - L for every
@@ -31,9 +33,11 @@ from .fixed_point import (
     lane_total,
     max_all,
     max_nan,
-    row_reciprocal,
+    max_start,
+    row_divisor,
     row_temperature,
     scale_logits,
+    uses_reciprocal,
     zero_accumulators,
 )
 
@@ -79,6 +83,26 @@ def finalize_row(row, row_max, fixed, entropy_fixed, x_row, LABELS, n_picks, t, 
 
 
 @triton.jit
+def row_sums(x_row, tile, full, n_cols, t, inv_t, inv_lo, shift, q_scale, TEMP_MODE: tl.constexpr,
+             DIV: tl.constexpr, PAIR: tl.constexpr, ENTROPY: tl.constexpr, CHUNK: tl.constexpr, QUANT: tl.constexpr,
+             HI_BIAS: tl.constexpr, LO_BIAS: tl.constexpr):
+    """One row's lane accumulators of the fixed-point sums (`accumulate`), tile by tile."""
+    s_hi, s_lo, e_hi, e_lo = zero_accumulators(tile, QUANT)
+    for c in range(0, full, CHUNK):
+        xc = tl.load(x_row + c + tile, eviction_policy="evict_first")
+        z = scale_logits(xc, t, inv_t, TEMP_MODE, DIV, inv_lo, PAIR)
+        s_hi, s_lo, e_hi, e_lo = accumulate(s_hi, s_lo, e_hi, e_lo, z, shift, q_scale, ENTROPY, QUANT, HI_BIAS,
+                                            LO_BIAS)
+    if full < n_cols:
+        xc = tl.load(x_row + full + tile, mask=full + tile < n_cols, other=float("-inf"),
+                     eviction_policy="evict_first")
+        z = scale_logits(xc, t, inv_t, TEMP_MODE, DIV, inv_lo, PAIR)
+        s_hi, s_lo, e_hi, e_lo = accumulate(s_hi, s_lo, e_hi, e_lo, z, shift, q_scale, ENTROPY, QUANT, HI_BIAS,
+                                            LO_BIAS)
+    return s_hi, s_lo, e_hi, e_lo
+
+
+@triton.jit
 def row_stats_kernel(
     X, stride_x, LABELS, n_picks, TEMP, t_scalar, MAX_IN,
     OUT_MAX, OUT_LOGSUM, OUT_LSE, OUT_LOGP, OUT_ENT, OUT_S, OUT_E, OUT_FULL, stride_full,
@@ -97,15 +121,15 @@ def row_stats_kernel(
         x_row = X + row * stride_x
         t = row_temperature(TEMP, t_scalar, row, TEMP_MODE)
         if MAX_FROM == MAX_SCAN:
-            lane_max = tl.full(tile.shape, float("-inf"), tl.float32)
+            lane_max = max_start(tile.shape, X.dtype.element_ty)
             for c in range(0, full, CHUNK):
                 xc = tl.load(x_row + c + tile, eviction_policy="evict_last")
-                lane_max = max_nan(lane_max, xc.to(tl.float32))
+                lane_max = max_nan(lane_max, xc).to(lane_max.dtype)
             if full < n_cols:
                 xc = tl.load(x_row + full + tile, mask=full + tile < n_cols, other=float("-inf"),
                              eviction_policy="evict_last")
-                lane_max = max_nan(lane_max, xc.to(tl.float32))
-            m = max_all(lane_max)
+                lane_max = max_nan(lane_max, xc).to(lane_max.dtype)
+            m = max_all(lane_max.to(tl.float32))
             if TEMP_MODE != TEMP_NONE:
                 m = tl.math.div_rn(m, t)
             row_max = tl.where(bad_temperature(t, TEMP_MODE), float("nan"), m + 0.0)
@@ -115,19 +139,17 @@ def row_stats_kernel(
             tl.store(OUT_MAX + row, row_max)
         else:
             shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-            inv_t = row_reciprocal(t, row_max, TEMP_MODE, DIV)
-            s_hi, s_lo, e_hi, e_lo = zero_accumulators(tile, QUANT)
-            for c in range(0, full, CHUNK):
-                xc = tl.load(x_row + c + tile, eviction_policy="evict_first")
-                s_hi, s_lo, e_hi, e_lo = accumulate(s_hi, s_lo, e_hi, e_lo, scale_logits(xc, t, inv_t, TEMP_MODE, DIV),
-                                                    shift, q_scale, ENTROPY, QUANT, HI_BIAS, LO_BIAS)
-            n_tiles = n_cols // CHUNK
-            if full < n_cols:
-                xc = tl.load(x_row + full + tile, mask=full + tile < n_cols, other=float("-inf"),
-                             eviction_policy="evict_first")
-                s_hi, s_lo, e_hi, e_lo = accumulate(s_hi, s_lo, e_hi, e_lo, scale_logits(xc, t, inv_t, TEMP_MODE, DIV),
-                                                    shift, q_scale, ENTROPY, QUANT, HI_BIAS, LO_BIAS)
-                n_tiles += 1
+            pair: tl.constexpr = X.dtype.element_ty.fp_mantissa_width < 23
+            inv_t, inv_lo = row_divisor(t, row_max, TEMP_MODE, DIV, X.dtype.element_ty.fp_mantissa_width)
+            # Two loops rather than a branch per tile (a quarter of an instruction per logit).
+            if uses_reciprocal(inv_t, inv_lo, pair):
+                s_hi, s_lo, e_hi, e_lo = row_sums(x_row, tile, full, n_cols, t, inv_t, inv_lo, shift, q_scale,
+                                                  TEMP_MODE, DIV, pair, ENTROPY, CHUNK, QUANT, HI_BIAS, LO_BIAS)
+            else:
+                s_hi, s_lo, e_hi, e_lo = row_sums(x_row, tile, full, n_cols, t, inv_t, inv_lo, shift, q_scale,
+                                                  TEMP_MODE, DIV_IEEE, pair, ENTROPY, CHUNK, QUANT, HI_BIAS,
+                                                  LO_BIAS)
+            n_tiles = tl.cdiv(n_cols, CHUNK)
             fixed = lane_total(s_hi, s_lo, n_tiles * LANE, QUANT, LO_BITS, HI_PATTERN, LO_PATTERN)
             entropy_fixed = fixed * 0
             if ENTROPY:
@@ -144,6 +166,6 @@ def row_stats_kernel(
                     for c in range(0, n_cols, CHUNK):
                         inside = c + tile < n_cols
                         xc = tl.load(x_row + c + tile, mask=inside, eviction_policy="evict_first")
-                        z = scale_logits(xc, t, inv_t, TEMP_MODE, DIV)
+                        z = scale_logits(xc, t, inv_t, TEMP_MODE, DIV, inv_lo, pair)
                         tl.store(full_row + c + tile, (z - row_max) - log_sum32, mask=inside)
         row += tl.num_programs(0)

@@ -152,7 +152,9 @@ def _row_stats_backward(ctx, g_logp, g_entropy, g_lse, g_max, g_log_sum):
     args = (labels, temp_rows, *ctx.args, row_max, log_sum, ent if req.entropy else None, g_logp, g_entropy)
     if req.inplace_backward:
         torch.ops.rl_logp.grad_(x, *args)
-        return x, *none
+        # A new tensor over x's storage: autograd may then take it as the leaf's .grad as it is, where
+        # x itself (still referenced by the caller) would be copied into a logits-sized buffer.
+        return x.detach(), *none
     return torch.ops.rl_logp.grad(x, *args), *none
 
 

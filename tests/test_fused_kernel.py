@@ -23,6 +23,14 @@ from rl_logp import entropy, logprobs, logprobs_and_entropy, resolve_backend
 from rl_logp.engines import RowStats
 from rl_logp.temperature import Temperature
 
+try:
+    import triton
+    import triton.language as tl
+
+    from rl_logp.kernels import fixed_point
+except ImportError:  # no Triton: the fused kernels' tests skip, the chunked ones run
+    triton = None
+
 FUSED_DEVICES = [
     pytest.param("cpu", id="interpret-cpu", marks=pytest.mark.skipif(not INTERPRET, reason="TRITON_INTERPRET is off")),
     pytest.param("cuda", id="cuda", marks=needs_cuda),
@@ -98,9 +106,8 @@ def test_launch_variants_give_the_same_bits(device):
         dataclasses.replace(base, programs_per_sm=0),
         dataclasses.replace(base, programs_per_sm=1, warps=4),
     ]
-    if device == "cuda":  # the interpreter's fma is a separate multiply and add, so only the GPU can run it
-        variants.append(dataclasses.replace(base, div=fp.DIV_IEEE.value))
-        variants.append(dataclasses.replace(base, div=fp.DIV_RECIPROCAL.value))
+    variants.append(dataclasses.replace(base, div=fp.DIV_IEEE.value))
+    variants.append(dataclasses.replace(base, div=fp.DIV_RECIPROCAL.value))
     for temp in (Temperature(), Temperature(scalar=0.7), Temperature(rows=torch.linspace(0.5, 1.5, 7, device=device))):
         ref = _all_stats(engine(base), x, temp, labels)
         for cfg in variants:
@@ -142,78 +149,163 @@ def test_interpreter_sums_are_the_contract_with_numpys_exp(temperature):
     assert not torch.equal(chunked_s, s)
 
 
-@needs_cuda
-def test_reciprocal_division_is_the_ieee_quotient_where_it_is_used():
-    """Markstein's correction gives the IEEE quotient for every bf16 value and 4M fp32 patterns with
-    2^-100 <= |x| <= 2^100 (and +-inf, NaN), T in [2^-10, 2^100]; tiny or huge logits are covered by the
-    row rule (test_reciprocal_division_keeps_output_bits_on_adversarial_rows)."""
-    _, _, fp = _kernels()
-    x_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32, device="cuda").to(torch.int16).view(torch.bfloat16)
-    x_fp32 = torch.randint(-(2**31), 2**31 - 1, (1 << 22,), dtype=torch.int32, device="cuda").view(torch.float32)
-    temps = torch.cat([torch.tensor([0.7, 0.6, 1.3, 2.0**-10, 0.999, 7.0, 2.0**100], device="cuda"),
-                       torch.exp(torch.empty(40, device="cuda").uniform_(-6.9, 20))])
-    checked = bad = 0
-    for values in (x_bf16, x_fp32):
-        mag = values.float().abs()
-        used = ((mag >= 2.0**-100) & (mag <= 2.0**100)) | ~torch.isfinite(values.float())
-        for t in temps.tolist():
-            got = _divide(values, t, fp.DIV_RECIPROCAL.value)
-            want = values.float() / torch.tensor(t, device="cuda")
-            differ = (got.view(torch.int32) != want.view(torch.int32)) & ~(got.isnan() & want.isnan())
-            bad += int((differ & used).sum())
-            checked += int(used.sum())
-    assert checked > 10**8 and bad == 0
+RECIPROCAL_TEMPERATURES = [0.7, 0.6, 1.3, 0.999, 7.0, 3.0, 0.1, 2.0**-10, 1e20, 1.0, 0.5, 2.0]
 
 
-def _divide(values, t, div):
-    import triton
-    import triton.language as tl
+def _all_bit_patterns(dtype, device):
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32, device=device).to(torch.int16).view(dtype)
 
-    from rl_logp.kernels.fixed_point import scale_logits
+
+def _temperatures(device):
+    gen = torch.Generator(device="cpu").manual_seed(4)
+    extra = 8 if device == "cpu" else 40
+    return RECIPROCAL_TEMPERATURES + torch.exp(torch.empty(extra).uniform_(-6.9, 20, generator=gen)).tolist()
+
+
+def _ieee_quotient(values, t):
+    return values.float() / torch.tensor(t, dtype=torch.float32, device=values.device)
+
+
+def _differing(got, want, values):
+    """Where the bits differ (NaN == NaN), bf16 subnormal inputs left out under the interpreter (its
+    bf16-to-fp32 conversion gets them wrong: 1.0e-39 becomes 4.4e-39)."""
+    differ = (got.view(torch.int32) != want.view(torch.int32)) & ~(got.isnan() & want.isnan())
+    if values.device.type == "cpu" and values.dtype == torch.bfloat16:
+        differ &= ~((values != 0) & (values.float().abs() < torch.finfo(torch.float32).tiny))
+    return differ
+
+
+@pytest.mark.parametrize("device", FUSED_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_reciprocal_pair_is_the_ieee_quotient_of_every_16bit_value(device, dtype):
+    """`row_divisor`'s pair gives every bf16 / fp16 value's IEEE quotient (+-inf, NaN, +-0 and overflow
+    to inf included) for each T here, all of which it accepts (exact reciprocals too); the only
+    differences allowed are quotients both below 2^-85, under a quarter ulp of any row max the pair
+    serves (|M| >= 2^-60)."""
+    values = _all_bit_patterns(dtype, device)
+    for t in _temperatures(device):
+        got, inv_lo = _reciprocal_quotients(values, t, pair=True)
+        want = _ieee_quotient(values, t)
+        assert inv_lo > 0, t
+        assert not (_differing(got, want, values) & ((got.abs() >= 2.0**-85) | (want.abs() >= 2.0**-85))).any(), t
+
+
+@pytest.mark.parametrize("device", FUSED_DEVICES)
+def test_reciprocal_pair_refuses_what_it_cannot_check(device):
+    values = _all_bit_patterns(torch.bfloat16, device)
+    for t in (2.0**-11, 2.0**90, float("inf"), 0.0, -0.7, float("nan")):  # row_reciprocal's range, or hi < 2^-80
+        got, inv_lo = _reciprocal_quotients(values, t, pair=True)
+        assert inv_lo == 0, t
+        assert not _differing(got, _ieee_quotient(values, t), values).any(), t  # div_rn
+    for row_max in (1e-20, 1e31, float("nan"), float("inf"), float("-inf")):  # |M| outside [2^-60, 2^100]
+        assert _reciprocal_quotients(values, 0.7, pair=True, row_max=row_max)[1] == 0, row_max
+
+
+@pytest.mark.parametrize("device", FUSED_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_reciprocal_division_is_the_ieee_quotient_where_it_is_used(device, dtype):
+    """Markstein's correction (fp32 logits, and the backward) gives the IEEE quotient for every bf16
+    value and random fp32 patterns with 2^-100 <= |x| <= 2^100, and -inf, T in [2^-10, 2^100]; tiny or
+    huge logits are covered by the row rule (a row on this path has 2^-60 <= |M| <= 2^100, so no +inf
+    or NaN: test_reciprocal_division_keeps_output_bits_on_adversarial_rows)."""
+    if dtype == torch.bfloat16:
+        values = _all_bit_patterns(dtype, device)
+    else:
+        gen = torch.Generator(device="cpu").manual_seed(6)
+        count = 1 << (16 if device == "cpu" else 22)
+        values = torch.randint(-(2**31), 2**31 - 1, (count,), dtype=torch.int32, generator=gen).view(dtype).to(device)
+    mag = values.float().abs()
+    used = ((mag >= 2.0**-100) & (mag <= 2.0**100)) | (values.float() == float("-inf"))
+    assert used.float().mean() > 0.75
+    for t in _temperatures(device):
+        got, _ = _reciprocal_quotients(values, t, pair=False)
+        assert not (_differing(got, _ieee_quotient(values, t), values) & used).any(), t
+
+
+def _reciprocal_quotients(values, t, pair, row_max=1.0):
+    """(z, inv_lo) of 1-D `values` divided by T through `scale_logits` in a row whose max is `row_max`:
+    with `row_divisor`'s pair (`pair`), else `row_reciprocal`'s 1/T (Markstein's correction)."""
+    block = 8192
+    grid = triton.cdiv(values.numel(), block)
+    out = torch.empty(values.shape, dtype=torch.float32, device=values.device)
+    lo = torch.empty(grid, dtype=torch.float32, device=values.device)
+    _divide[(grid,)](values, out, lo, t, row_max, values.numel(), PAIR=pair, BLOCK=block)
+    return out, float(lo[0])
+
+
+if triton is not None:
 
     @triton.jit
-    def divide(X, Z, t, n, DIV: tl.constexpr, BLOCK: tl.constexpr):
+    def _divide(X, Z, LO, t, row_max, n, PAIR: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(X + offs, mask=offs < n)
-        tl.store(Z + offs, scale_logits(x, t, tl.math.div_rn(1.0, t), 1, DIV), mask=offs < n)
+        if PAIR:
+            inv_t, inv_lo = fixed_point.row_divisor(t, row_max, fixed_point.TEMP_SCALAR, fixed_point.DIV_RECIPROCAL,
+                                                    X.dtype.element_ty.fp_mantissa_width)
+        else:
+            inv_t = fixed_point.row_reciprocal(t, row_max, fixed_point.TEMP_SCALAR, fixed_point.DIV_RECIPROCAL)
+            inv_lo = tl.full([], 0.0, tl.float32)
+        z = fixed_point.scale_logits(x, t, inv_t, fixed_point.TEMP_SCALAR, fixed_point.DIV_RECIPROCAL, inv_lo, PAIR)
+        tl.store(Z + offs, z, mask=offs < n)
+        tl.store(LO + tl.program_id(0), inv_lo)
 
-    out = torch.empty(values.shape, dtype=torch.float32, device="cuda")
-    divide[(triton.cdiv(values.numel(), 1024),)](values, out, t, values.numel(), DIV=div, BLOCK=1024)
-    return out
 
-
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_reciprocal_division_keeps_output_bits_on_adversarial_rows(dtype):
-    engine, config, fp = _kernels()
-    n, vocab = 12, 4099
-    x = model_like_logits(n, vocab, torch.float32, "cuda", seed=3)
-    tiny = torch.finfo(torch.float32).tiny
-    x[0, ::7] = tiny * torch.rand(586, device="cuda")  # subnormal logits beside normal ones
+def _adversarial_rows(dtype, device):
+    n, vocab = 14, 1031
+    x = model_like_logits(n, vocab, torch.float32, "cpu", seed=3)
+    gen = torch.Generator().manual_seed(1)
+    x[0, ::7] = torch.finfo(torch.float32).tiny * torch.rand(148, generator=gen)  # subnormal beside normal logits
     x[1] = -x[1].abs() * 1e-25  # a row whose max is tiny: divides by div_rn
     x[2, 5] = 0.0
     x[2, 6] = -0.0
-    x[3, ::3] = -3.0e38  # finfo.min-style masking
+    x[3, ::3] = -3.0e38  # finfo.min-style masking: quotients overflow to -inf at T < 1
     x[4, 9] = 1e38  # a huge logit: divides by div_rn
     x[5, :] = -0.0
     x[5, 17] = 1e-30
     x[6] = x[6] * 1e-37  # every logit tiny
-    x = x.to(dtype)
-    labels = random_labels(n, vocab, "cuda")
+    x[7, 600:] = float("-inf")  # a masked tail
+    x[8] = float("-inf")  # a fully masked row
+    x[9, 11] = float("nan")
+    x[10, 12] = float("inf")
+    x[11, 1::2] = torch.linspace(-3.39e38, -2.3e38, 515)  # quotients near the fp32 limit
+    x[12, 1::2] = torch.linspace(-1e-38, 1e-38, 515)  # tiny and subnormal quotients under a max of about 1
+    x[12, 0] = 1.0
+    x[13] = 0.0  # M = 0: divides by div_rn
+    return x.to(dtype).to(device)
+
+
+@pytest.mark.parametrize("device", FUSED_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_reciprocal_division_keeps_output_bits_on_adversarial_rows(device, dtype):
+    """Every output of the reciprocal path (the pair for 16-bit logits, Markstein's for fp32) has the
+    bits of div_rn's: M, L, lse, logp, entropy, the sums S and E given a max, every column's logprob
+    and the gradient, on rows with subnormal, tiny, huge, masked, NaN and inf logits, at temperatures
+    that are inexact, exact (powers of two), out of the reciprocal's range, or bad (0, < 0, inf, NaN)."""
+    engine, config, fp = _kernels()
+    x = _adversarial_rows(dtype, device)
+    n, vocab = x.shape
+    labels = random_labels(n, vocab, device)
     ieee = engine(config(div=fp.DIV_IEEE.value))
     reciprocal = engine(config(div=fp.DIV_RECIPROCAL.value))
-    for temp in (Temperature(scalar=0.7), Temperature(scalar=2.0**-10), Temperature(rows=torch.linspace(0.01, 40, n, device="cuda"))):
+    rows = torch.tensor([0.7, 1.0, 2.0, 0.0, -1.0, float("inf"), float("nan"), 2.0**-11, 2.0**90, 0.01, 40.0, 1.3,
+                         0.999, 0.25], device=device)
+    temps = [Temperature(scalar=s) for s in (0.7, 2.0**-10, 0.5, 3.0, 1e20)] + [Temperature(rows=rows)]
+    g = torch.linspace(-1, 1, n, device=device)
+    for temp in temps:
         a, b = _all_stats(ieee, x, temp, labels), _all_stats(reciprocal, x, temp, labels)
         for u, v in zip(a, b, strict=True):
-            assert mismatches(u, v) == 0
-        g = torch.linspace(-1, 1, n, device="cuda")
+            assert mismatches(u, v) == 0, temp
+        req = engine_request(x, labels, temp, engine="fused", entropy=True)
+        for u, v in zip(ieee.shard_sums(req, a[0]), reciprocal.shard_sums(req, a[0]), strict=True):
+            assert torch.equal(u, v), temp
+        full = dataclasses.replace(req, full=True)
+        assert mismatches(ieee.row_stats(full).full, reciprocal.row_stats(full).full) == 0, temp
         grads = []
         for variant in (ieee, reciprocal):
             out = torch.empty_like(x)
-            req = engine_request(x, labels, temp, engine="fused", entropy=True)
             variant.grad(req, RowStats(row_max=a[0], log_sum=a[1], entropy=a[4]), g, g, out)
             grads.append(out)
-        assert mismatches(grads[0], grads[1]) == 0
+        assert mismatches(grads[0], grads[1]) == 0, temp
 
 
 @pytest.mark.parametrize("device", FUSED_DEVICES)
@@ -356,6 +448,18 @@ def test_inplace_backward_gives_the_same_gradient(device):
     scaled = leaf * 1.0  # a non-leaf the gradient can overwrite
     logprobs(scaled, labels, backend="fused", inplace_backward=True, temperature=0.7).sum().backward()
     assert mismatches(leaf.grad, expected) == 0
+
+
+@pytest.mark.parametrize("backend", ["chunked", pytest.param("fused", marks=pytest.mark.skipif(
+    not (HAS_CUDA or INTERPRET), reason="the fused kernel cannot run here"))])
+def test_inplace_backward_hands_its_buffer_to_the_leaf(backend):
+    """The gradient written over a non-leaf copy of a leaf becomes the leaf's .grad without a copy (the
+    caller still holds the copy): no logits-sized buffer in forward + backward."""
+    device = "cuda" if backend == "fused" and HAS_CUDA else "cpu"
+    leaf = model_like_logits(5, 1031, torch.float32, device).requires_grad_(True)
+    x = leaf.clone()
+    logprobs(x, random_labels(5, 1031, device), backend=backend, inplace_backward=True).sum().backward()
+    assert leaf.grad.data_ptr() == x.data_ptr()
 
 
 @pytest.mark.parametrize("backend", ["chunked", pytest.param("fused", marks=pytest.mark.skipif(
