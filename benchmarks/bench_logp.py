@@ -12,11 +12,13 @@ Suites (`--suites`), each row written to the JSON (`--out`) as soon as it is mea
            uses). Floors: forward one read of the logits, forward+backward three passes (read, read +
            write), over the device-to-device copy bandwidth measured in the same run.
   sweep    launch variants of the fused kernels (`LaunchConfig`) at the largest N, kernel by kernel.
-  rollout  one call per decode step at N in {1, 8, 64, 256, 1024}: wall time per call over a loop of
-           calls (synchronised at the end, host and launches included: what vLLM's sampler sees), CUDA time
-           per call, and host time per call (the loop without waiting for the GPU); the sampled token's
-           logp, 21 columns per row (`column_logprobs`) and every column (`full_logprobs`), each beside
-           the torch expression vLLM's own PyTorch code computes.
+  rollout  one call per decode step at N in `--rollout-rows` (default 1, 8, 64, 256, 1024), the calls of
+           one N timed in alternating rounds: wall time per call over a block of calls (synchronised at the
+           end, host and launches included: what vLLM's sampler sees), host time per call (the block without
+           waiting for the GPU), and GPU time per call (calls replayed from a CUDA graph: no host); the
+           sampled token's logp, 21 columns per row (`column_logprobs`) and every column
+           (`full_logprobs`), each beside the torch expression vLLM's own PyTorch code computes; with
+           `--variants`, rl-logp's calls again under each set of launch overrides.
   overhead host time per call of each piece of a rollout-size `rl_logp.logprobs`.
   tp       the cost of the TP agreement per call: `rl_logp.logprobs` with a `tp_group` (an NCCL group of
            this one process on a GPU, gloo on the CPU) in `tp_agreement` modes `every_call` (a host sync)
@@ -37,6 +39,7 @@ if "--smoke" in sys.argv:  # Triton reads this when the kernels are decorated, s
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -323,30 +326,92 @@ def rollout_calls(providers: dict, labels: torch.Tensor, ids: torch.Tensor) -> d
     return calls
 
 
+@contextlib.contextmanager
+def fused_launch(overrides: dict):
+    """The public functions' fused engine with these `LaunchConfig` overrides, for the block."""
+    from rl_logp.engines import make_engine
+
+    engine = make_engine("fused", rl_logp.resolve_config(None).chunk_bytes)
+    saved = engine.config
+    engine.config = dataclasses.replace(saved, **overrides)
+    try:
+        yield
+    finally:
+        engine.config = saved
+
+
+def graph_us(fn: Callable[[], object], calls: int, device: torch.device) -> float | None:
+    """GPU time per call without the host: `calls` calls captured in one CUDA graph, replayed (None on the
+    CPU). What the kernels cost once launches are free."""
+    if device.type != "cuda":
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    stop.record()
+    torch.cuda.synchronize()
+    elapsed = start.elapsed_time(stop) * 1e3 / calls
+    del graph
+    torch.cuda.empty_cache()
+    return elapsed
+
+
 def run_rollout(args, device, report: Report) -> None:
-    """One call per decode step: wall and host time per call over a loop, and CUDA time per call."""
+    """One call per decode step, the calls of one (N, T) timed in alternating rounds (a drifting host hits
+    each alike): per round a block of calls, host time (issuing them) and wall time (to the sync), the
+    medians over rounds; and the GPU time from a CUDA graph. With `--variants`, rl-logp's calls again under
+    each set of launch overrides (named in the provider)."""
     providers, _ = logp_providers(args.smoke)
-    for n in ([1, 8] if args.smoke else [1, 8, 64, 256, 1024]):
+    variants = [{}] + [v for v in args.variants or [] if v and device.type == "cuda"]
+    rounds = 2 if args.smoke else 5
+    block = max(1, args.rollout_reps // rounds)
+    for n in ([1, 8] if args.smoke else args.rollout_rows):
         inputs, labels = make_inputs(n, args.vocab, device, 100 + n)
         ids = torch.cat([labels[:, None], torch.randint(0, args.vocab, (n, 20), device=device)], dim=1)
         for temperature in (None, 0.7):
-            for name, fn in rollout_calls(providers, labels, ids).items():
-                row = {"suite": "rollout", "provider": name, "rows": n, "vocab": args.vocab, "temperature": temperature}
-                try:
-                    with torch.no_grad():
-                        for _ in range(10):
-                            fn(inputs[0], temperature)
-                        _sync(device)
-                        t0 = time.perf_counter()
-                        for i in range(args.rollout_reps):
-                            fn(inputs[i % 2], temperature)
-                        row["host_us"] = (time.perf_counter() - t0) / args.rollout_reps * 1e6
-                        _sync(device)
-                        row["wall_us"] = (time.perf_counter() - t0) / args.rollout_reps * 1e6
-                        row["cuda_us"] = median_ms(lambda i, f=fn, t=temperature, xs=inputs: f(xs[i % 2], t),
-                                                   args.rollout_reps, device) * 1e3
-                except Exception as err:
-                    row["error"] = f"{type(err).__name__}: {err}"
+            calls = [(f"{name} {json.dumps(overrides)}" if overrides else name, overrides, fn)
+                     for overrides in variants for name, fn in rollout_calls(providers, labels, ids).items()
+                     if not overrides or name.startswith("rl_logp")]
+            rows = {name: {"suite": "rollout", "provider": name, "rows": n, "vocab": args.vocab,
+                           "temperature": temperature, "host_us_rounds": [], "wall_us_rounds": []}
+                    for name, _, _ in calls}
+            with torch.no_grad():
+                for name, overrides, fn in calls:
+                    try:
+                        with fused_launch(overrides):
+                            for _ in range(10):
+                                fn(inputs[0], temperature)
+                            rows[name]["gpu_us"] = graph_us(lambda f=fn, t=temperature, x=inputs[0]: f(x, t), 20, device)
+                    except Exception as err:
+                        rows[name]["error"] = f"{type(err).__name__}: {err}"
+                for r in range(rounds):
+                    for name, overrides, fn in calls[r % len(calls):] + calls[:r % len(calls)]:
+                        if "error" in rows[name]:
+                            continue
+                        with fused_launch(overrides):
+                            _sync(device)
+                            t0 = time.perf_counter()
+                            for i in range(block):
+                                fn(inputs[i % 2], temperature)
+                            t1 = time.perf_counter()
+                            _sync(device)
+                            t2 = time.perf_counter()
+                        rows[name]["host_us_rounds"].append((t1 - t0) / block * 1e6)
+                        rows[name]["wall_us_rounds"].append((t2 - t0) / block * 1e6)
+            for row in rows.values():
+                if "error" not in row:
+                    row["host_us"] = statistics.median(row["host_us_rounds"])
+                    row["wall_us"] = statistics.median(row["wall_us_rounds"])
                 report.add(row)
 
 
@@ -380,10 +445,12 @@ def run_overhead(args, device, report: Report) -> None:
                                                                            None, out, None, launch_config),
         "torch.empty(8)": lambda: torch.empty(8, dtype=torch.float32, device=device),
         "the kernel's launch alone (kernel[grid](...))": lambda: launch.row_stats_kernel[grid](*kernel_args, **options),
+        "the kernel's launch alone (launcher.CachedLauncher)": lambda: launch.row_stats_launch(grid, kernel_args, options),
         "torch log_softmax + gather": lambda: torch.log_softmax(x.float() / 0.7, -1).gather(1, labels[:, None]),
     }
     if device.type != "cuda":
-        del pieces["kernels.launch.row_stats (launch only)"], pieces["the kernel's launch alone (kernel[grid](...))"]
+        for name in [name for name in pieces if "launch" in name and "row_stats (output" not in name]:
+            del pieces[name]
     with torch.no_grad():
         for name, fn in pieces.items():
             for _ in range(20):
@@ -451,13 +518,14 @@ def print_table(results: list[dict]) -> None:
             print(f"sweep {r['provider'][:50]} error: {r['error'][:80]}")
     rollout = [r for r in results if r.get("suite") == "rollout"]
     if rollout:
-        print(f"\n{'rollout call':34s} {'N':>5s} {'T':>4s} {'wall us':>9s} {'host us':>9s} {'cuda us':>9s}")
+        print(f"\n{'rollout call':52s} {'N':>5s} {'T':>4s} {'wall us':>9s} {'host us':>9s} {'gpu us':>9s}")
         for r in rollout:
             if "error" in r:
-                print(f"{r['provider']:34s} {r['rows']:5d} error: {r['error'][:60]}")
+                print(f"{r['provider'][:52]:52s} {r['rows']:5d} error: {r['error'][:60]}")
                 continue
-            print(f"{r['provider']:34s} {r['rows']:5d} {r['temperature'] or 1.0:4.1f} {r['wall_us']:9.1f} "
-                  f"{r['host_us']:9.1f} {r['cuda_us']:9.1f}")
+            gpu = f"{r['gpu_us']:9.1f}" if r.get("gpu_us") is not None else f"{'-':>9s}"
+            print(f"{r['provider'][:52]:52s} {r['rows']:5d} {r['temperature'] or 1.0:4.1f} {r['wall_us']:9.1f} "
+                  f"{r['host_us']:9.1f} {gpu}")
     for r in results:
         if r.get("suite") == "overhead":
             print(f"host per call {r['provider']:45s} {r['host_us']:8.1f} us")
@@ -472,10 +540,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--rollout-reps", type=int, default=200)
+    parser.add_argument("--rollout-rows", type=int, nargs="+", default=[1, 8, 64, 256, 1024])
     parser.add_argument("--suites", nargs="+", default=["main", "rollout"], choices=["main", "sweep", "rollout", "tp", "overhead"])
     parser.add_argument("--variants", type=json.loads, default=None,
                         help="sweep: a JSON list of LaunchConfig overrides to time instead of the built-in list "
-                             "(e.g. '[{}, {\"maxnreg\": 64}]')")
+                             "(e.g. '[{}, {\"maxnreg\": 64}]'); rollout: rl-logp's calls again under each")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (fused under TRITON_INTERPRET=1)")
     parser.add_argument("--out", default="benchmarks/results/bench_logp.json")
     args = parser.parse_args()

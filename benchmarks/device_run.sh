@@ -3,8 +3,8 @@
 # benchmarks/make_device_bundle.sh), then run the stages named in STAGES (default: tests bench):
 #   tests     the GPU tests (TEST_FILES, TEST_FILTER) -> $OUT/gpu_tests.txt
 #   sweep     bench_logp.py --suites sweep: launch variants of the fused kernels -> $OUT/h200_sweep.json
-#   calls     bench_logp.py --suites rollout overhead tp (CALLS_SUITES): rollout-size calls, host time, TP
-#             agreement cost -> $OUT/h200_calls.json
+#   calls     bench_logp.py --suites rollout overhead tp (CALLS_SUITES, more arguments in CALLS_ARGS): rollout-size
+#             calls, host time, TP agreement cost -> $OUT/h200_calls.json
 #   bench     bench_logp.py --suites main: every provider at 8192 and 32768 rows -> $OUT/h200_bench.json
 #   verl      bench_verl_step.py --suites fsdp compile (VERL_SUITES) -> $OUT/h200_verl_step.json
 #   megatron  bench_verl_step.py --suites megatron: verl's Megatron engine step -> $OUT/h200_megatron_step.json
@@ -50,7 +50,7 @@ for stage in ${STAGES}; do
         --reps "${REPS:-5}" --out "$OUT/h200_sweep.json" 2>&1 | grep -v '^{' | tail -30 ;;
     calls)
       timeout "${CALLS_TIMEOUT:-150}" python3 -P benchmarks/bench_logp.py --suites ${CALLS_SUITES:-rollout overhead tp} \
-        --out "$OUT/h200_calls.json" 2>&1 | grep -v '^{' | tail -40 ;;
+        ${CALLS_ARGS:-} --out "$OUT/h200_calls.json" 2>&1 | grep -v '^{' | tail -40 ;;
     bench)
       timeout "${BENCH_TIMEOUT:-330}" python3 -P benchmarks/bench_logp.py --suites main \
         --reps "${REPS:-10}" --out "$OUT/h200_bench.json" 2>&1 | grep -v '^{' | tee "$OUT/bench.txt" | tail -60 ;;

@@ -3,8 +3,11 @@ nothing from the package above them.
 
 `fixed_point`: the contract's arithmetic in Triton (exact exp/log, the temperature division, the exact
 fixed-point sums), shared by the kernels; `row_stats`: the forward kernel (row max, sums, the finished
-logp / lse / entropy); `grad`: the backward kernel (the row-local gradient of logp and/or entropy);
-`launch`: their launches and launch parameters (`LaunchConfig`); `kept_set`: the rollout's top-k/top-p kept
-set without a sort (its launches and `KeptSetLaunch`), `kept_set_select`: that kernel's per-row selection.
+logp / lse / entropy), whole rows per program; `row_stats_ranges`: its split plan for a few rows (a row's
+column ranges on programs of their own); `arrival`: the split plans' arrival counting; `grad`: the
+backward kernel (the row-local gradient of logp and/or entropy); `launch`: their launches and launch
+parameters (`LaunchConfig`); `launcher`: Triton's launch with less host time per call; `kept_set`: the
+rollout's top-k/top-p kept set without a sort (its launches and `KeptSetLaunch`), `kept_set_select`: that
+kernel's per-row selection.
 Importing this package never needs a GPU; importing its modules needs Triton.
 """

@@ -34,9 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrival import last_to_arrive, published
 from .fixed_point import INTERPRET, Named, max_all
 from .kept_set_select import cut_value, first_counts, range_max, write_cut
 from .launch import INTERPRETER_SLOTS, on_device, sm_count
+from .launcher import CachedLauncher
 
 PHASE_MAX: tl.constexpr = Named(0)  # split launch 1: each range's max, the row's arrival counter zeroed
 PHASE_COUNT: tl.constexpr = Named(1)  # split launch 2: each range's counts and mass; the row's c by the last
@@ -122,25 +124,6 @@ def _row_workspace(WS, row, SPLIT: tl.constexpr, NB: tl.constexpr, BIG_: tl.cons
 
 
 @triton.jit
-def _last_to_arrive(ARRIVALS, last):
-    """Count this program's arrival on the row's counter; whether it is the last one (`last` counted before
-    it). The barrier orders the stores of every thread of the program before the atomic (issued by one
-    thread), whose release (acq_rel, gpu scope) publishes them to the program that acquires a later count;
-    Triton broadcasts the atomic's result through shared memory behind a barrier (as the sm_90 PTX shows), so
-    that program's threads read after its acquire."""
-    tl.debug_barrier()
-    return tl.atomic_add(ARRIVALS, 1, sem="acq_rel", scope="gpu") == last
-
-
-@triton.jit
-def _published(ptrs, mask, other):
-    """A load of values that the row's other programs stored in this launch, after `_last_to_arrive`. `.cg`
-    reads them from L2 (the point of coherence), never from this SM's L1, which is not coherent with other
-    SMs' stores: correct without relying on the acquire invalidating L1, at no cost for these few values."""
-    return tl.load(ptrs, mask=mask, other=other, cache_modifier=".cg")
-
-
-@triton.jit
 def _split_cut(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, masses, scratch, rate, q_scale,
                HAS_K: tl.constexpr, HAS_P: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SMALL_: tl.constexpr,
                BIG_: tl.constexpr, PIVOTS_: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr):
@@ -148,8 +131,8 @@ def _split_cut(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, masses, scratc
     row to finish counting."""
     s = tl.arange(0, SPLIT_PAD)
     at = s[:, None] * NB + tl.arange(0, NB)[None, :]
-    row_counts = tl.sum(_published(counts + at, (s < SPLIT)[:, None], 0), axis=0)
-    total = tl.sum(_published(masses + s, s < SPLIT, 0))
+    row_counts = tl.sum(published(counts + at, (s < SPLIT)[:, None], 0), axis=0)
+    total = tl.sum(published(masses + s, s < SPLIT, 0))
     return cut_value(row_ptr, vocab, row_max, k, p, k_on, p_on, row_counts, total, scratch, rate, q_scale, HAS_K,
                      HAS_P, BLOCK, NB, SMALL_, BIG_, PIVOTS_)
 
@@ -181,7 +164,7 @@ def kept_set_range_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, WS, vocab, span, r
             range_counts, total = first_counts(row_ptr, lo, hi, row_max, k_on, rate, q_scale, HAS_P, BLOCK, NB)
         tl.store(counts + r * NB + tl.arange(0, NB), range_counts)
         tl.store(masses + r, total)
-        if _last_to_arrive(arrivals, SPLIT - 1):
+        if last_to_arrive(arrivals, SPLIT - 1):
             cut = tl.full([], float("nan"), tl.float32)
             if active:
                 cut = _split_cut(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, masses, scratch, rate, q_scale,
@@ -193,8 +176,19 @@ def kept_set_range_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, WS, vocab, span, r
         if cut == cut:
             least = write_cut(row_ptr, lo, hi, cut, WRITE, BLOCK)
         tl.store(smallest + r, least)
-        if _last_to_arrive(arrivals, 2 * SPLIT - 1):
-            tl.store(THRESHOLD + row, tl.min(_published(smallest + s, s < SPLIT, float("inf"))))
+        if last_to_arrive(arrivals, 2 * SPLIT - 1):
+            tl.store(THRESHOLD + row, tl.min(published(smallest + s, s < SPLIT, float("inf"))))
+
+
+fused_launch = CachedLauncher(kept_set_kernel)  # Triton's launch with less host time (`launcher`)
+range_launch = CachedLauncher(kept_set_range_kernel)
+
+
+@functools.lru_cache(maxsize=16)
+def _options(cfg: KeptSetLaunch) -> dict:
+    """The launch options of the kept-set kernels (no fp contraction, libdevice's non-flushing exp)."""
+    return {"num_warps": cfg.warps, "enable_fp_fusion": False, "enable_reflect_ftz": False,
+            **({} if INTERPRET else {"maxnreg": cfg.max_registers})}
 
 
 @functools.lru_cache(maxsize=64)
@@ -246,21 +240,19 @@ def kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | 
     cfg = launch
     split = split_count(z, cfg)
     rate, q_scale = bucket_rate(bits, cfg.buckets), float(2.0**bits)
-    options = {"HAS_K": top_k is not None, "HAS_P": top_p is not None, "WRITE": write, "BLOCK": cfg.block,
-               "NB": cfg.buckets, "SMALL_": cfg.small, "BIG_": cfg.big, "PIVOTS_": cfg.pivots, "num_warps": cfg.warps,
-               "enable_fp_fusion": False, "enable_reflect_ftz": False,
-               **({} if INTERPRET else {"maxnreg": cfg.max_registers})}
+    modes = (top_k is not None, top_p is not None, write, cfg.block, cfg.buckets, cfg.small, cfg.big, cfg.pivots)
+    options = _options(cfg)
     with on_device(z):  # Triton launches on the current device's stream
         if split == 1:
             programs = n if INTERPRET or not z.is_cuda else max(1, min(n, _slots(z, cfg)))
             scratch = torch.empty((programs, cfg.big), dtype=torch.int32, device=z.device)
-            kept_set_kernel[(programs,)](z, z.stride(0), top_k, top_p, threshold, scratch, n, vocab, rate, q_scale,
-                                         **options)
+            fused_launch((programs,), (z, z.stride(0), top_k, top_p, threshold, scratch, n, vocab, rate, q_scale, *modes),
+                         options)
             return
         words = row_words(split, cfg)
         workspace = torch.empty(n * words, dtype=torch.int32, device=z.device)
         span = triton.cdiv(triton.cdiv(vocab, split), cfg.block) * cfg.block
-        ranges = {"SPLIT": split, "SPLIT_PAD": triton.next_power_of_2(split), "ROW_WORDS": words}
+        sizes = (split, triton.next_power_of_2(split), words)
         for phase in (PHASE_MAX, PHASE_COUNT, PHASE_WRITE):
-            kept_set_range_kernel[(n, split)](z, z.stride(0), top_k, top_p, threshold, workspace, vocab, span, rate,
-                                              q_scale, PHASE=phase.value, **ranges, **options)
+            range_launch((n, split), (z, z.stride(0), top_k, top_p, threshold, workspace, vocab, span, rate, q_scale,
+                                      phase.value, *modes, *sizes), options)

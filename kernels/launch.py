@@ -26,9 +26,15 @@ from .fixed_point import (
     split_constants,
 )
 from .grad import grad_kernel
+from .launcher import CachedLauncher
 from .row_stats import MAX_GIVEN, MAX_SCAN, RESULT_MAX, RESULT_ROW, RESULT_SUMS, row_stats_kernel
+from .row_stats_ranges import PHASE_MAX, PHASE_SUMS, PHASE_WRITE, row_stats_range_kernel, row_words
 
 INTERPRETER_SLOTS = 4  # programs the interpreter runs in place of a GPU's SMs
+# The kernels' launchers (`launcher.CachedLauncher`: Triton's launch with less host time per call).
+row_stats_launch = CachedLauncher(row_stats_kernel)
+range_launch = CachedLauncher(row_stats_range_kernel)
+grad_launch = CachedLauncher(grad_kernel)
 
 
 def on_device(x: torch.Tensor):
@@ -48,7 +54,12 @@ class LaunchConfig:
     logits from HBM; the default re-reads each row right after scanning it, mostly from L2); quant:
     QUANT_SPLIT or QUANT_CAST (the split is used where it is exact); div: DIV_IEEE or DIV_RECIPROCAL (the
     IEEE quotient either way; the interpreter defaults to div_rn, the reference the reciprocal paths are
-    tested against); maxnreg: a cap on the forward's registers per thread (0: the compiler's choice); ftz:
+    tested against); maxnreg: a cap on the forward's registers per thread (0: the compiler's choice);
+    split_rows: `row_stats` runs the split plan for at most this many rows (0: never) when the launches are
+    captured in a CUDA graph, where they cost no host time at replay (eager, each of its two or three
+    launches costs host time that a rollout-size call cannot spare, docs/performance.md), or always with
+    split_eager; split: programs per row in it (0: enough to give each SM `split_per_sm` programs; at most
+    one per tile either way); ftz:
     libdevice's flush-to-zero `exp` (torch's CUDA `exp` is not flushed: False keeps subnormal results the
     same bits); grad_block, grad_warps: the backward's tile and warps.
     """
@@ -61,6 +72,10 @@ class LaunchConfig:
     quant: int = QUANT_SPLIT.value
     div: int = DIV_IEEE.value if INTERPRET else DIV_RECIPROCAL.value
     maxnreg: int = 48
+    split_rows: int = 64
+    split_eager: bool = False
+    split: int = 0
+    split_per_sm: int = 2
     ftz: bool = False
     grad_block: int = 4096
     grad_warps: int = 4
@@ -115,28 +130,81 @@ def forward_launch(x, labels, temp_mode, temp_rows, t_scalar, max_in, outs, sums
     return (_programs(x, cfg),), args, options
 
 
+@functools.lru_cache(maxsize=256)
+def split_ranges(n: int, vocab: int, device_index: int | None, cfg: LaunchConfig) -> tuple[int, int]:
+    """(ranges, span) of a row in `row_stats`: the split plan's programs per row and the columns of each
+    (a multiple of the chunk; every range non-empty), or (1, vocab): whole rows (whether the split plan is
+    wanted at all, eager or captured, is `row_stats`'s choice). `device_index`: the GPU's
+    (None: the interpreter). The automatic split is a power of two before it is cut to the row's tiles:
+    it is a constexpr of the kernel, so a handful of compiled variants serve every batch size."""
+    tiles = triton.cdiv(vocab, cfg.chunk)
+    if cfg.two_pass or not 0 < n <= cfg.split_rows or tiles < 2:
+        return 1, vocab
+    if cfg.split:
+        wanted = cfg.split
+    else:
+        slots = INTERPRETER_SLOTS if device_index is None else cfg.split_per_sm * sm_count(device_index)
+        wanted = 1 << (triton.cdiv(slots, n).bit_length() - 1)
+    span_tiles = triton.cdiv(tiles, min(wanted, tiles))
+    ranges = triton.cdiv(tiles, span_tiles)
+    return (ranges, span_tiles * cfg.chunk) if ranges > 1 else (1, vocab)
+
+
+@functools.lru_cache(maxsize=256)
+def _range_settings(vocab: int, bits: int, entropy: bool, temp_mode: int, ranges: int,
+                    cfg: LaunchConfig) -> tuple[tuple[tuple, ...], dict]:
+    """The trailing arguments of the split plan's three launches (`row_stats_range_kernel`), and options."""
+    _, options = _forward_settings(vocab, bits, entropy, MAX_SCAN.value, RESULT_ROW.value, temp_mode, cfg)
+    quant = _quant(vocab, bits, cfg.chunk, cfg.lane, cfg.quant)
+    sizes = (ranges, triton.next_power_of_2(ranges), row_words(ranges))
+    tails = tuple((float(2.0**bits), 2.0**-bits, phase, temp_mode, cfg.div, entropy and phase == PHASE_SUMS.value,
+                   cfg.chunk, cfg.lane, quant, *split_constants(bits), *sizes)
+                  for phase in (PHASE_MAX.value, PHASE_SUMS.value, PHASE_WRITE.value))
+    return tails, options
+
+
+def _split_row_stats(x, labels, temp_mode, temp_rows, t_scalar, bits, entropy, outs, out_full, ranges, span,
+                     cfg) -> None:
+    n, vocab = x.shape
+    tails, options = _range_settings(vocab, bits, entropy, temp_mode, ranges, cfg)
+    workspace = torch.empty(n * row_words(ranges), dtype=torch.int32, device=x.device)
+    picks = 1 if labels is None or labels.dim() == 1 else labels.shape[1]
+    head = (x, x.stride(0), labels, picks, temp_rows, t_scalar, workspace, *outs, out_full,
+            0 if out_full is None else out_full.stride(0), vocab, span)
+    for tail in tails if out_full is not None else tails[:2]:
+        range_launch((n, ranges), (*head, *tail), options)
+
+
 def row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, temp_rows: torch.Tensor | None,
               t_scalar: float, bits: int, entropy: bool, out_max: torch.Tensor | None,
               out_log_sum: torch.Tensor | None, out_lse: torch.Tensor | None, out_logp: torch.Tensor | None,
               out_ent: torch.Tensor | None, cfg: LaunchConfig, out_full: torch.Tensor | None = None) -> None:
-    """Whole rows of x [n, V]: write each output that is given (fp32 [n]): M, L, lse, logp of `labels`
+    """Rows of x [n, V]: write each output that is given (fp32 [n]): M, L, lse, logp of `labels`
     (int64 [n], or [n, K] contiguous with out_logp [n, K]; given with out_logp), with `entropy` the
     entropy, and into `out_full` (fp32 [n, V], last dimension contiguous) every column's logprob.
-    `cfg.two_pass` needs out_max."""
+    `cfg.two_pass` needs out_max. Whole rows, or for at most `cfg.split_rows` rows, when captured in a CUDA
+    graph (or with `cfg.split_eager`), the split plan."""
     outs = (out_max, out_log_sum, out_lse, out_logp, out_ent)
+    ranges, span = 1, 0
+    if x.shape[0] <= cfg.split_rows and (cfg.split_eager or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+        ranges, span = split_ranges(x.shape[0], x.shape[1], x.device.index if x.is_cuda else None, cfg)
     with on_device(x):
+        if ranges > 1:
+            _split_row_stats(x, labels, temp_mode, temp_rows, t_scalar, bits, entropy, outs, out_full, ranges, span,
+                             cfg)
+            return
         if cfg.two_pass:
             grid, args, options = forward_launch(x, None, temp_mode, temp_rows, t_scalar, None,
                                                  (out_max, None, None, None, None), (None, None), bits, False,
                                                  MAX_SCAN.value, RESULT_MAX.value, cfg)
-            row_stats_kernel[grid](*args, **options)
+            row_stats_launch(grid, args, options)
             grid, args, options = forward_launch(x, labels, temp_mode, temp_rows, t_scalar, out_max, outs,
                                                  (None, None), bits, entropy, MAX_GIVEN.value, RESULT_ROW.value, cfg,
                                                  out_full)
         else:
             grid, args, options = forward_launch(x, labels, temp_mode, temp_rows, t_scalar, None, outs, (None, None),
                                                  bits, entropy, MAX_SCAN.value, RESULT_ROW.value, cfg, out_full)
-        row_stats_kernel[grid](*args, **options)
+        row_stats_launch(grid, args, options)
 
 
 def shard_max(x: torch.Tensor, temp_mode: int, temp_rows: torch.Tensor | None, t_scalar: float,
@@ -145,7 +213,7 @@ def shard_max(x: torch.Tensor, temp_mode: int, temp_rows: torch.Tensor | None, t
     grid, args, options = forward_launch(x, None, temp_mode, temp_rows, t_scalar, None, (out_max, None, None, None, None),
                                          (None, None), 40, False, MAX_SCAN.value, RESULT_MAX.value, cfg)
     with on_device(x):
-        row_stats_kernel[grid](*args, **options)
+        row_stats_launch(grid, args, options)
 
 
 def shard_sums(x: torch.Tensor, temp_mode: int, temp_rows: torch.Tensor | None, t_scalar: float,
@@ -155,7 +223,12 @@ def shard_sums(x: torch.Tensor, temp_mode: int, temp_rows: torch.Tensor | None, 
     grid, args, options = forward_launch(x, None, temp_mode, temp_rows, t_scalar, row_max, (None,) * 5, (out_s, out_e),
                                          bits, entropy, MAX_GIVEN.value, RESULT_SUMS.value, cfg)
     with on_device(x):
-        row_stats_kernel[grid](*args, **options)
+        row_stats_launch(grid, args, options)
+
+
+@functools.lru_cache(maxsize=16)
+def _grad_options(warps: int, ftz: bool) -> dict:
+    return {"num_warps": warps, "enable_fp_fusion": False, "enable_reflect_ftz": ftz}
 
 
 def grad(x: torch.Tensor, out: torch.Tensor, labels: torch.Tensor | None, label_offset: int, vocab_total: int,
@@ -167,11 +240,9 @@ def grad(x: torch.Tensor, out: torch.Tensor, labels: torch.Tensor | None, label_
     n, vocab = x.shape
     has_lp, has_h = g_logp is not None, g_entropy is not None
     with on_device(x):
-        grad_kernel[(n, triton.cdiv(vocab, cfg.grad_block))](
+        grad_launch((n, triton.cdiv(vocab, cfg.grad_block)), (
             x, x.stride(0), out, out.stride(0), labels, label_offset, vocab_total, temp_rows, t_scalar,
             row_max, log_sum, entropy, g_logp, g_logp.stride(0) if has_lp else 0, g_entropy,
-            g_entropy.stride(0) if has_h else 0, vocab,
-            TEMP_MODE=temp_mode, DIV=cfg.div, LOGP=has_lp, ENTROPY=has_h, BLOCK=cfg.grad_block,
-            num_warps=cfg.grad_warps, enable_fp_fusion=False, enable_reflect_ftz=cfg.ftz,
-        )
+            g_entropy.stride(0) if has_h else 0, vocab, temp_mode, cfg.div, has_lp, has_h, cfg.grad_block),
+            _grad_options(cfg.grad_warps, cfg.ftz))
 

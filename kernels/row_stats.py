@@ -103,6 +103,67 @@ def row_sums(x_row, tile, full, n_cols, t, inv_t, inv_lo, shift, q_scale, TEMP_M
 
 
 @triton.jit
+def scan_max(x_row, tile, n_cols, CHUNK: tl.constexpr):
+    """The fp32 max of n_cols logits from x_row (NaN if one is NaN), scanned in the logits' own type."""
+    full = n_cols // CHUNK * CHUNK
+    lane_max = max_start(tile.shape, x_row.dtype.element_ty)
+    for c in range(0, full, CHUNK):
+        xc = tl.load(x_row + c + tile, eviction_policy="evict_last")
+        lane_max = max_nan(lane_max, xc).to(lane_max.dtype)
+    if full < n_cols:
+        xc = tl.load(x_row + full + tile, mask=full + tile < n_cols, other=float("-inf"), eviction_policy="evict_last")
+        lane_max = max_nan(lane_max, xc).to(lane_max.dtype)
+    return max_all(lane_max.to(tl.float32))
+
+
+@triton.jit
+def scaled_max(m, t, TEMP_MODE: tl.constexpr):
+    """The row's M from the max m of its logits: m / T (correctly rounded division is monotonic), -0.0
+    made +0.0, NaN for a row whose temperature is not finite and > 0."""
+    if TEMP_MODE != TEMP_NONE:
+        m = tl.math.div_rn(m, t)
+    return tl.where(bad_temperature(t, TEMP_MODE), float("nan"), m + 0.0)
+
+
+@triton.jit
+def fixed_sums(x_row, tile, n_cols, t, row_max, q_scale, TEMP_MODE: tl.constexpr, DIV: tl.constexpr,
+               ENTROPY: tl.constexpr, CHUNK: tl.constexpr, LANE: tl.constexpr, QUANT: tl.constexpr,
+               HI_BIAS: tl.constexpr, LO_BIAS: tl.constexpr, LO_BITS: tl.constexpr, HI_PATTERN: tl.constexpr,
+               LO_PATTERN: tl.constexpr):
+    """S and E (int64; E <= 0 is returned negated, as the contract's E) of n_cols logits from x_row given
+    the row max, and the row's divisor (`row_divisor`'s inv_t, inv_lo)."""
+    full = n_cols // CHUNK * CHUNK
+    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+    pair: tl.constexpr = x_row.dtype.element_ty.fp_mantissa_width < 23
+    inv_t, inv_lo = row_divisor(t, row_max, TEMP_MODE, DIV, x_row.dtype.element_ty.fp_mantissa_width)
+    # Two loops rather than a branch per tile (a quarter of an instruction per logit).
+    if uses_reciprocal(inv_t, inv_lo, pair):
+        s_hi, s_lo, e_hi, e_lo = row_sums(x_row, tile, full, n_cols, t, inv_t, inv_lo, shift, q_scale, TEMP_MODE,
+                                          DIV, pair, ENTROPY, CHUNK, QUANT, HI_BIAS, LO_BIAS)
+    else:
+        s_hi, s_lo, e_hi, e_lo = row_sums(x_row, tile, full, n_cols, t, inv_t, inv_lo, shift, q_scale, TEMP_MODE,
+                                          DIV_IEEE, pair, ENTROPY, CHUNK, QUANT, HI_BIAS, LO_BIAS)
+    n_tiles = tl.cdiv(n_cols, CHUNK)
+    fixed = lane_total(s_hi, s_lo, n_tiles * LANE, QUANT, LO_BITS, HI_PATTERN, LO_PATTERN)
+    entropy_fixed = fixed * 0
+    if ENTROPY:
+        entropy_fixed = 0 - lane_total(e_hi, e_lo, n_tiles * LANE, QUANT, LO_BITS, HI_PATTERN, LO_PATTERN)
+    return fixed, entropy_fixed, inv_t, inv_lo
+
+
+@triton.jit
+def write_logprobs(x_row, out_row, tile, n_cols, t, inv_t, inv_lo, row_max, log_sum32, TEMP_MODE: tl.constexpr,
+                   DIV: tl.constexpr, CHUNK: tl.constexpr):
+    """(z - M) - L of n_cols logits from x_row, stored from out_row (a rollout's full-vocabulary logprobs)."""
+    pair: tl.constexpr = x_row.dtype.element_ty.fp_mantissa_width < 23
+    for c in range(0, n_cols, CHUNK):
+        inside = c + tile < n_cols
+        xc = tl.load(x_row + c + tile, mask=inside, eviction_policy="evict_first")
+        z = scale_logits(xc, t, inv_t, TEMP_MODE, DIV, inv_lo, pair)
+        tl.store(out_row + c + tile, (z - row_max) - log_sum32, mask=inside)
+
+
+@triton.jit
 def row_stats_kernel(
     X, stride_x, LABELS, n_picks, TEMP, t_scalar, MAX_IN,
     OUT_MAX, OUT_LOGSUM, OUT_LSE, OUT_LOGP, OUT_ENT, OUT_S, OUT_E, OUT_FULL, stride_full,
@@ -115,45 +176,20 @@ def row_stats_kernel(
     # A tile is CHUNK logits as [CHUNK // LANE, LANE]: each lane's LANE adjacent logits are summed in
     # registers before its accumulator; full tiles load without a mask, the last partial one with it.
     tile = tl.arange(0, CHUNK // LANE)[:, None] * LANE + tl.arange(0, LANE)[None, :]
-    full = n_cols // CHUNK * CHUNK
     row = tl.program_id(0).to(tl.int64)
     while row < n_rows:
         x_row = X + row * stride_x
         t = row_temperature(TEMP, t_scalar, row, TEMP_MODE)
         if MAX_FROM == MAX_SCAN:
-            lane_max = max_start(tile.shape, X.dtype.element_ty)
-            for c in range(0, full, CHUNK):
-                xc = tl.load(x_row + c + tile, eviction_policy="evict_last")
-                lane_max = max_nan(lane_max, xc).to(lane_max.dtype)
-            if full < n_cols:
-                xc = tl.load(x_row + full + tile, mask=full + tile < n_cols, other=float("-inf"),
-                             eviction_policy="evict_last")
-                lane_max = max_nan(lane_max, xc).to(lane_max.dtype)
-            m = max_all(lane_max.to(tl.float32))
-            if TEMP_MODE != TEMP_NONE:
-                m = tl.math.div_rn(m, t)
-            row_max = tl.where(bad_temperature(t, TEMP_MODE), float("nan"), m + 0.0)
+            row_max = scaled_max(scan_max(x_row, tile, n_cols, CHUNK), t, TEMP_MODE)
         else:
             row_max = tl.load(MAX_IN + row)
         if RESULT == RESULT_MAX:
             tl.store(OUT_MAX + row, row_max)
         else:
-            shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-            pair: tl.constexpr = X.dtype.element_ty.fp_mantissa_width < 23
-            inv_t, inv_lo = row_divisor(t, row_max, TEMP_MODE, DIV, X.dtype.element_ty.fp_mantissa_width)
-            # Two loops rather than a branch per tile (a quarter of an instruction per logit).
-            if uses_reciprocal(inv_t, inv_lo, pair):
-                s_hi, s_lo, e_hi, e_lo = row_sums(x_row, tile, full, n_cols, t, inv_t, inv_lo, shift, q_scale,
-                                                  TEMP_MODE, DIV, pair, ENTROPY, CHUNK, QUANT, HI_BIAS, LO_BIAS)
-            else:
-                s_hi, s_lo, e_hi, e_lo = row_sums(x_row, tile, full, n_cols, t, inv_t, inv_lo, shift, q_scale,
-                                                  TEMP_MODE, DIV_IEEE, pair, ENTROPY, CHUNK, QUANT, HI_BIAS,
-                                                  LO_BIAS)
-            n_tiles = tl.cdiv(n_cols, CHUNK)
-            fixed = lane_total(s_hi, s_lo, n_tiles * LANE, QUANT, LO_BITS, HI_PATTERN, LO_PATTERN)
-            entropy_fixed = fixed * 0
-            if ENTROPY:
-                entropy_fixed = 0 - lane_total(e_hi, e_lo, n_tiles * LANE, QUANT, LO_BITS, HI_PATTERN, LO_PATTERN)
+            fixed, entropy_fixed, inv_t, inv_lo = fixed_sums(x_row, tile, n_cols, t, row_max, q_scale, TEMP_MODE, DIV,
+                                                             ENTROPY, CHUNK, LANE, QUANT, HI_BIAS, LO_BIAS, LO_BITS,
+                                                             HI_PATTERN, LO_PATTERN)
             if RESULT == RESULT_SUMS:
                 tl.store(OUT_S + row, fixed)
                 if ENTROPY:
@@ -162,10 +198,6 @@ def row_stats_kernel(
                 log_sum32 = finalize_row(row, row_max, fixed, entropy_fixed, x_row, LABELS, n_picks, t, n_cols,
                                          log_scale, OUT_MAX, OUT_LOGSUM, OUT_LSE, OUT_LOGP, OUT_ENT, TEMP_MODE)
                 if OUT_FULL is not None:
-                    full_row = OUT_FULL + row * stride_full
-                    for c in range(0, n_cols, CHUNK):
-                        inside = c + tile < n_cols
-                        xc = tl.load(x_row + c + tile, mask=inside, eviction_policy="evict_first")
-                        z = scale_logits(xc, t, inv_t, TEMP_MODE, DIV, inv_lo, pair)
-                        tl.store(full_row + c + tile, (z - row_max) - log_sum32, mask=inside)
+                    write_logprobs(x_row, OUT_FULL + row * stride_full, tile, n_cols, t, inv_t, inv_lo, row_max,
+                                   log_sum32, TEMP_MODE, DIV, CHUNK)
         row += tl.num_programs(0)

@@ -19,7 +19,7 @@ from helpers import (
     random_labels,
 )
 
-from rl_logp import entropy, logprobs, logprobs_and_entropy, resolve_backend
+from rl_logp import entropy, full_logprobs, logprobs, logprobs_and_entropy, resolve_backend
 from rl_logp.engines import RowStats
 from rl_logp.temperature import Temperature
 
@@ -99,6 +99,9 @@ def test_launch_variants_give_the_same_bits(device):
     base = config()
     small = 256 if device == "cpu" else 2048
     variants = [
+        dataclasses.replace(base, split_eager=True),  # the split plan, automatic (the interpreter: whole rows)
+        dataclasses.replace(base, chunk=small, split=4, split_eager=True),  # ranges of two tiles, the last shorter
+        dataclasses.replace(base, chunk=small, lane=2, split=3, split_eager=True, quant=fp.QUANT_CAST.value),
         dataclasses.replace(base, quant=fp.QUANT_CAST.value),
         dataclasses.replace(base, chunk=small, lane=8),
         dataclasses.replace(base, chunk=2 * small, lane=2),
@@ -114,6 +117,74 @@ def test_launch_variants_give_the_same_bits(device):
             got = _all_stats(engine(cfg), x, temp, labels)
             for a, b in zip(got, ref, strict=True):
                 assert mismatches(a, b) == 0, cfg
+
+
+def _split_and_whole(x, labels, temp, config, **split):
+    """Every output of the split plan (`split` overriding the launch config) and of whole rows, for a
+    request with the entropy, the normaliser and every column's logprob."""
+    engine = _kernels()[0]
+    got = []
+    for cfg in (dataclasses.replace(config, split_eager=True, **split), dataclasses.replace(config, split_rows=0)):
+        req = engine_request(x, labels, temp, engine="fused", entropy=True)
+        req.normalizer, req.full = True, True
+        s = engine(cfg).row_stats(req)
+        got.append([s.row_max, s.log_sum, s.lse, s.logp, s.entropy, s.full])
+    return got
+
+
+@pytest.mark.skipif(not INTERPRET, reason="checks the kernels under Triton's interpreter (TRITON_INTERPRET=1)")
+def test_split_plan_in_any_arrival_order(shuffled_programs):
+    """The split plan (a row's column ranges on programs of their own, the last to arrive finishing the
+    row) with the programs of each launch run in shuffled orders: the bits of whole rows for every output
+    (M, L, lse, logp of K labels a row, entropy, every column's logprob), on rows with a NaN, all -inf,
+    a bad temperature, all zeros (the integer sums at their largest), on split 3 (not a power of two, the
+    last range shorter)."""
+    from rl_logp.kernels.launch import LaunchConfig, split_ranges
+
+    vocab, n = 1400, 5
+    x = model_like_logits(n, vocab, torch.bfloat16, "cpu", seed=4)
+    x[0] = 0.0
+    x[1, 9] = float("nan")
+    x[2] = float("-inf")
+    labels = torch.randint(0, vocab, (n, 3), generator=torch.Generator().manual_seed(1))
+    labels[0, 1], labels[4, 2] = -100, vocab
+    rows_t = torch.tensor([0.7, 1.0, 0.5, -1.0, 1.3])
+    cfg = LaunchConfig(chunk=256, lane=4)
+    assert split_ranges(n, vocab, None, dataclasses.replace(cfg, split=3)) == (3, 512)
+    for temp in (Temperature(), Temperature(scalar=0.7), Temperature(rows=rows_t)):
+        split, whole = _split_and_whole(x, labels, temp, cfg, split=3)
+        assert sum(mismatches(a, b) for a, b in zip(split, whole, strict=True)) == 0
+        assert torch.isnan(split[3][1]).all() and torch.isnan(split[3][3]).all() == (temp.rows is not None)
+    split_orders = [order for order in shuffled_programs if len(order) == n * 3]
+    assert len(split_orders) == 3 * 3  # three launches (with full logprobs) for each temperature
+    last = {max((order.index(row * 3 + r), r) for r in range(3))[1] for order in split_orders[1::3]
+            for row in range(n)}
+    assert last == {0, 1, 2}  # each range was the last of its row to finish the sums in some launch
+
+
+def test_split_ranges_cover_every_row_in_non_empty_ranges():
+    """The launcher's split: whole rows above `split_rows`, for two-pass and for a row of one tile; else
+    ranges a multiple of the chunk wide, each non-empty, covering the row; the automatic split a power of
+    two before it is cut to the row's tiles (a kernel constexpr: few compiled variants)."""
+    pytest.importorskip("triton")
+    from rl_logp.kernels.launch import LaunchConfig, split_ranges
+
+    cfg = LaunchConfig(chunk=4096, split_rows=64, split_per_sm=2)
+    assert split_ranges(65, 151936, None, cfg) == (1, 151936)
+    assert split_ranges(0, 151936, None, cfg) == (1, 151936)
+    assert split_ranges(8, 4096, None, cfg) == (1, 4096)
+    assert split_ranges(8, 151936, None, dataclasses.replace(cfg, two_pass=True)) == (1, 151936)
+    assert split_ranges(8, 151936, None, dataclasses.replace(cfg, split_rows=0)) == (1, 151936)
+    for n in range(1, 65):
+        for vocab in (4097, 50257, 151936, 262144):
+            for split in (0, 3, 1000):
+                ranges, span = split_ranges(n, vocab, None, dataclasses.replace(cfg, split=split))
+                if ranges == 1:
+                    assert span == vocab and split == 0 and n >= 4  # the interpreter's 4 slots are not filled
+                else:
+                    assert span % 4096 == 0 and (ranges - 1) * span < vocab <= ranges * span
+                if split == 0:
+                    assert ranges == min(1 << (triton.cdiv(4, n).bit_length() - 1), triton.cdiv(vocab, 4096))
 
 
 @pytest.mark.skipif(not INTERPRET, reason="checks the kernels under Triton's interpreter (TRITON_INTERPRET=1)")
@@ -416,26 +487,34 @@ def test_no_host_sync_on_the_hot_path():
 
 
 @needs_cuda
-def test_cuda_graph_capture_replays_the_same_bits():
-    n, vocab = 256, 151936
+@pytest.mark.parametrize("n", [8, 256], ids=["split-plan", "whole-rows"])
+def test_cuda_graph_capture_replays_the_same_bits(n):
+    """Captured, 8 rows run the split plan (256: whole rows), and replayed they give eager's bits (whole
+    rows)."""
+    vocab = 151936
     x = model_like_logits(n, vocab, torch.bfloat16, "cuda")
     labels = random_labels(n, vocab, "cuda")
     temp = torch.full((n,), 0.7, device="cuda")
+
+    def calls():
+        return logprobs(x, labels, temperature=temp), full_logprobs(x, temperature=temp)
+
     with torch.no_grad():
-        eager = logprobs(x, labels, temperature=temp)
+        eager = calls()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            logprobs(x, labels, temperature=temp)
+            calls()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = logprobs(x, labels, temperature=temp)
+            captured = calls()
         x.copy_(model_like_logits(n, vocab, torch.bfloat16, "cuda", seed=9))
         graph.replay()
         torch.cuda.synchronize()
-        assert mismatches(captured, logprobs(x, labels, temperature=temp)) == 0
-        assert mismatches(captured, eager) > 0  # the replay read the new logits
+        for got, want, before in zip(captured, calls(), eager, strict=True):
+            assert mismatches(got, want) == 0
+            assert mismatches(got, before) > 0  # the replay read the new logits
 
 
 @pytest.mark.parametrize("device", FUSED_DEVICES)

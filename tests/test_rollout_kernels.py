@@ -120,27 +120,6 @@ def test_kept_set_split_plan_is_the_contract(device, batch, split, block, bucket
     assert differing == 0
 
 
-@pytest.fixture
-def shuffled_programs(monkeypatch) -> list[list[int]]:
-    """Triton's interpreter runs each launch's programs in a new random order (fixed seed) instead of in
-    grid order, so that any program of a row, not only its last range, can be the last to arrive. Returns
-    the orders, one list of linear program ids per launch."""
-    from triton.runtime import interpreter
-
-    builder, gen, orders = interpreter.interpreter_builder, torch.Generator().manual_seed(5), []
-    set_grid_idx = builder.set_grid_idx
-
-    def shuffled(x, y, z):
-        _, ny, nz = builder.grid_dim
-        if (x, y, z) == (0, 0, 0):
-            orders.append(torch.randperm(builder.grid_dim[0] * ny * nz, generator=gen).tolist())
-        i = orders[-1][(x * ny + y) * nz + z]
-        set_grid_idx(i // (ny * nz), i // nz % ny, i % nz)
-
-    monkeypatch.setattr(builder, "set_grid_idx", shuffled)
-    return orders
-
-
 @pytest.mark.skipif(not INTERPRET, reason="TRITON_INTERPRET is off")
 def test_kept_set_split_plan_in_any_arrival_order(shuffled_programs):
     """The split plan with its programs run in shuffled orders (rows interleaved, a row's ranges in any

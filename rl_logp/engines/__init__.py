@@ -9,7 +9,6 @@ under Triton's interpreter).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -17,10 +16,6 @@ from rl_logp.engines.base import LogpEngine, RowStats
 from rl_logp.engines.chunked import ChunkedEngine
 
 INVARIANT_ENGINES = ("fused", "chunked")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.lru_cache(maxsize=1)
@@ -33,11 +28,19 @@ def fused_import_error() -> str | None:
     return None
 
 
-def fused_runs_on(device: torch.device) -> bool:
-    """True where `fused` can run: a CUDA device with Triton, or the CPU under TRITON_INTERPRET=1."""
+@functools.lru_cache(maxsize=8)
+def _fused_runs_on_type(device_type: str) -> bool:
     if fused_import_error() is not None:
         return False
-    return device.type == "cuda" or (device.type == "cpu" and _interpreting())
+    from rl_logp.kernels.fixed_point import INTERPRET  # what the kernels were decorated with
+
+    return device_type == "cuda" or (device_type == "cpu" and INTERPRET)
+
+
+def fused_runs_on(device: torch.device) -> bool:
+    """True where `fused` can run: a CUDA device with Triton, or the CPU under TRITON_INTERPRET=1 (as it was
+    when the kernels were imported: Triton reads it then)."""
+    return _fused_runs_on_type(device.type)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

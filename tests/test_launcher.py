@@ -1,0 +1,340 @@
+"""CachedLauncher (kernels/launcher.py): its key refines Triton's specialization, and it launches what
+`kernel[grid](*args, **options)` launches: under the interpreter here, through its fast path on a GPU, and
+through its fast path on the CPU with Triton's driver and compiled kernel stood in for."""
+
+import itertools
+import random
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import CompiledKernel
+from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+
+from rl_logp.kernels import launcher as launcher_module
+from rl_logp.kernels.fixed_point import INTERPRET
+from rl_logp.kernels.launcher import CachedLauncher, arg_key
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+BACKEND = CUDABackend(GPUTarget("cuda", 90, 32))
+FLAGS = list(itertools.product([False, True], repeat=3))  # Triton's (is_const, specialize, align)
+
+
+def _tensors() -> list:
+    out = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int8, torch.bool):
+        base = torch.empty(64, dtype=dtype)
+        out += [base, base[1:], base[2:], base[16:], base[32:]]  # aligned and misaligned views
+    return [*out, torch.nn.Parameter(torch.empty(8)), torch.nn.Parameter(torch.empty(8))[1:]]
+
+
+INTS = [0, 1, -1, 2, 15, 16, 17, 32, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 1, 2**32, 2**63 - 16,
+        2**63 - 1, 2**63, 2**63 + 1, 2**64 - 16, 2**64 - 1, -(2**31), -(2**31) - 1, -(2**31) - 16, -(2**63)]
+SCALARS = [*INTS, True, False, 0.0, -0.0, 1.0, 1.5, 16.0, float("nan"), float("inf"), None]
+
+
+def _groups(keys, values) -> dict:
+    groups: dict = {}
+    for key, value in zip(keys, values, strict=True):
+        groups.setdefault(key, set()).add(value)
+    return groups
+
+
+@pytest.mark.parametrize("is_const,specialize,align", FLAGS)
+def test_arg_key_refines_native_specialization(is_const, specialize, align):
+    args = _tensors() + SCALARS
+    keys = [arg_key([a], [False])[0] for a in args]
+    native = [repr(native_specialize_impl(BACKEND, a, is_const, specialize, align)) for a in args]
+    mixed = {k: v for k, v in _groups(keys, native).items() if len(v) > 1}
+    assert not mixed, f"one key, several Triton specializations: {mixed}"
+    # the key holds no pointer value, so tensors of one dtype and alignment share it (the cache is hit)
+    assert len(set(keys)) < len(keys) - 20
+
+
+@pytest.mark.parametrize("arg", [2**64, -(2**63) - 1, "text", torch.float32])
+def test_arg_key_leaves_errors_to_triton(arg):
+    assert arg_key([arg], [False]) is None  # the plain path, where Triton raises
+    with pytest.raises((OverflowError, TypeError)):
+        native_specialize_impl(BACKEND, arg, False, True, True)
+
+
+def test_arg_key_leaves_other_types_to_triton():
+    for arg in [(1, 2), (torch.empty(2),), 1j, torch.float32]:
+        assert arg_key([arg], [False]) is None
+    assert arg_key([torch.empty(1)], [True]) is None and arg_key([(1, 2)], [True]) is None
+
+
+def test_arg_key_constexprs_refine_their_string():
+    values = [*SCALARS, float("nan"), "1", "a", "a", 2**70]
+    keys = [arg_key([v], [True])[0] for v in values]
+    # Triton's cache key holds str(value); equal values of another type (1, True, 1.0) differ in it
+    mixed = {k: v for k, v in _groups(keys, [(type(v), str(v)) for v in values]).items() if len(v) > 1}
+    assert not mixed
+
+
+def _probe(X, Y, n, m, k: tl.int64, s, flag, BLOCK: tl.constexpr, MODE: tl.constexpr = 0):
+    pass
+
+
+def test_key_refines_triton_cache_key_for_whole_calls():
+    """Whole argument lists of a kernel with do_not_specialize, do_not_specialize_on_alignment and an
+    annotated parameter: equal launcher keys give one Triton cache key (its binder and compute_cache_key)."""
+    kernel = JITFunction(_probe, do_not_specialize=["m"], do_not_specialize_on_alignment=["Y"])
+    binder = create_function_from_signature(kernel.signature, kernel.params, BACKEND)
+    constexpr = [p.is_constexpr for p in kernel.params]
+    tensors, ints = [*_tensors()[:15], None], [0, 1, 16, 17, -1, 2**31, 2**32 + 16, 2**63]
+    choices = [tensors, tensors, ints, ints, ints, [0.5, -0.0], [True, False, 1],
+               [16, 32, 16.0, True, 1], [0, 1, None, "a", 0.0, -0.0, False]]
+    rng, keys, triton_keys = random.Random(0), [], []
+    for _ in range(3000):
+        args = [rng.choice(c) for c in choices]
+        options = rng.choice([{"num_warps": 4}, {"num_warps": 8}, {"num_warps": True}])
+        _, spec, opts = binder(*args, **options, debug=False, instrumentation_mode="")
+        keys.append((str(options), *arg_key(args, constexpr)))
+        triton_keys.append(compute_cache_key({}, spec, opts))
+    assert all(len(v) == 1 for v in _groups(keys, triton_keys).values())
+    assert 100 < len(set(triton_keys)) <= len(set(keys))
+
+
+class _Stream:
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 777
+
+
+class _Driver:
+    active = _Stream()
+
+
+def _stand_in_triton(kernel, launches: list) -> list:
+    """JITFunction.run of Triton 3.6 with its compile and launch stood in for: the compiled kernel is the one
+    Triton's binder and cache key pick, and its launcher records its arguments. Returns the list of keys
+    of the calls that went through Triton."""
+    binder = create_function_from_signature(kernel.signature, kernel.params, BACKEND)
+    compiled, calls = {}, []
+
+    def run(*args, grid, warmup, **options):
+        bound, spec, opts = binder(*args, **options, debug=False, instrumentation_mode="")
+        key = compute_cache_key({}, spec, opts)
+        calls.append(key)
+        if key not in compiled:
+            c = compiled[key] = CompiledKernel.__new__(CompiledKernel)
+            c.function, c.packed_metadata, c.module, c._run = key, ("meta", key), object(), launches.append_args
+        c = compiled[key]
+        grid = (*grid, 1, 1)
+        c.run(grid[0], grid[1], grid[2], 777, c.function, c.packed_metadata, None, None, None, *bound.values())
+        return c
+
+    kernel.run = run
+    return calls
+
+
+class _Launches(list):
+    def append_args(self, *args):
+        self.append(args)
+
+
+class _Counted(tl.constexpr):
+    compared = 0
+
+    def __ne__(self, other):
+        _Counted.compared += 1
+        return super().__ne__(other)
+
+
+def test_fast_path_launches_what_triton_picks(monkeypatch):
+    monkeypatch.setattr(launcher_module, "INTERPRET", False)
+    monkeypatch.setattr(launcher_module, "driver", _Driver)
+    kernel = JITFunction(_probe, do_not_specialize=["m"])
+    launches = _Launches()
+    calls = _stand_in_triton(kernel, launches)
+    launch = CachedLauncher(kernel)
+    binder = create_function_from_signature(kernel.signature, kernel.params, BACKEND)
+    x, y = torch.empty(64), torch.empty(64, dtype=torch.bfloat16)
+    opts = {"num_warps": 4}
+
+    def check(grid, args, options=opts, through_triton=False) -> CompiledKernel:
+        """One launch: through Triton or not, and the kernel, grid, stream and arguments Triton launches."""
+        before = len(calls)
+        compiled = launch(grid, args, options)
+        assert len(calls) == before + through_triton
+        bound, spec, opts_ = binder(*args, **options, debug=False, instrumentation_mode="")
+        key = compute_cache_key({}, spec, opts_)
+        assert compiled.function == key
+        grid3 = (*grid, 1, 1)[:3]
+        assert launches[-1] == (*grid3, 777, key, ("meta", key), None, None, None, *bound.values())
+        return compiled
+
+    base = (x, y, 16, 16, 5, 0.5, True, 32, 1)
+    first = check((3,), base, through_triton=True)
+    check((3,), base)
+    check((4, 2), (torch.empty(32), torch.empty(8, dtype=torch.bfloat16), *base[2:]))  # new aligned tensors
+    check((4, 2, 5), (x[1:], *base[1:]), through_triton=True)  # misaligned: a new specialization
+    check((1,), (x[1:], *base[1:]))
+    check((6, 1, 3), (x[1:], *base[1:]))
+    for n, new in [(17, True), (1, True), (33, False), (16, False), (2**31, True), (None, True)]:
+        check((2,), (x, y, n, *base[3:]), through_triton=new)
+    # m is not specialized: new keys of the launcher (finer than Triton's), the kernel Triton had
+    assert check((2,), (x, y, 16, 17, *base[4:]), through_triton=True) is first
+    assert check((2,), (x, y, 16, 1, *base[4:]), through_triton=True) is first
+    check((2,), base, {"num_warps": 8}, through_triton=True)
+    check((2,), (*base[:7], 64, 1), through_triton=True)  # a constexpr changes
+    check((2,), (*base[:7], 32.0, 1), through_triton=True)
+    check((2,), base[:-1], through_triton=True)  # a parameter left to its default: Triton binds it
+    check((2,), base[:-1], through_triton=True)
+    assert (len(launch.cache), len(set(calls))) == (11, 10)  # the two for m are one of Triton's
+
+    hook_calls = []
+    knobs.runtime.launch_enter_hook.add(hook_calls.append)
+    try:
+        check((2,), base, through_triton=True)  # a launch hook: every launch through Triton
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook_calls.append)
+    check((2,), base)
+    kernel.add_pre_run_hook(lambda *args, **kwargs: None)
+    check((2,), base, through_triton=True)
+    kernel.pre_run_hooks.clear()
+    with pytest.raises(OverflowError):
+        launch((2,), (x, y, 2**64, *base[3:]), opts)
+
+    scope = {"G": _Counted(5)}
+    kernel.used_global_vals = {("G", id(scope)): (tl.constexpr(5), scope)}  # Triton keeps a deep copy
+    check((2,), base)
+    check((2,), base)
+    scope["G"] = _Counted(5)  # another object, an equal value: as Triton, no error
+    check((2,), base)
+    check((2,), base)
+    assert _Counted.compared == 2  # once per object
+    for changed in (tl.constexpr(6), None):
+        scope["G"] = changed
+        with pytest.raises(RuntimeError, match="Global variable G has changed"):
+            launch((2,), base, opts)
+    del scope["G"]
+    launch.globals_seen.clear()
+    with pytest.raises(RuntimeError, match="Global variable G has changed"):
+        launch((2,), base, opts)
+
+
+@triton.jit
+def _affine_kernel(X, OUT, ADD, n, s, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    y = tl.load(X + offs, mask=mask) * 2 + s
+    if ADD is not None:
+        y += tl.load(ADD + offs, mask=mask)
+    tl.store(OUT + offs, y, mask=mask)
+
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+OPTIONS = {"num_warps": 4}
+
+
+def _affine(launch, x, add, n, s, block=64) -> torch.Tensor:
+    out = torch.full_like(x, -7.0)
+    launch((triton.cdiv(n, block),), (x, out, add, n, s, block), OPTIONS)
+    return out
+
+
+def _expected(x, add, n, s) -> torch.Tensor:
+    out = torch.full_like(x, -7.0)
+    out[:n] = x[:n] * 2 + s + (0 if add is None else add[:n])
+    return out
+
+
+def _plain(grid, args, options):
+    return _affine_kernel[grid](*args, **options)
+
+
+def test_launcher_matches_plain_launch():
+    """Under the interpreter (no CUDA) the launcher is the plain launch; on a GPU, first and cached calls."""
+    launch = CachedLauncher(_affine_kernel)
+    x, add = torch.randn(300, device=DEVICE), torch.randn(300, device=DEVICE)
+    for n, a, s in [(300, None, 0.25), (300, add, -1.5), (200, add, 3.0), (300, None, 0.25)]:
+        got = _affine(launch, x, a, n, s)
+        assert torch.equal(got, _affine(_plain, x, a, n, s))
+        assert torch.equal(got, _expected(x, a, n, s))
+    assert len(launch.cache) == (0 if INTERPRET else 2)
+
+
+def _counting(monkeypatch) -> tuple[CachedLauncher, list]:
+    """A launcher and the list of the calls that went through Triton's JITFunction.run."""
+    calls, run = [], _affine_kernel.run
+
+    def counted(*args, **kwargs):
+        calls.append(args[3])
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(_affine_kernel, "run", counted)
+    return CachedLauncher(_affine_kernel), calls
+
+
+@needs_cuda
+def test_gpu_cache_hit_and_new_specializations(monkeypatch):
+    launch, calls = _counting(monkeypatch)
+    x, add = torch.randn(256, device="cuda"), torch.randn(256, device="cuda")
+    first = launch((4,), (x, torch.empty_like(x), add, 256, 0.5, 64), OPTIONS)
+    assert isinstance(first, CompiledKernel) and len(calls) == 1 and len(launch.cache) == 1
+    for _ in range(3):
+        assert torch.equal(_affine(launch, x, add, 256, 0.5), _expected(x, add, 256, 0.5))
+    assert len(calls) == 1 and len(launch.cache) == 1
+    # a misaligned view after aligned tensors of the same shape: a new specialization, correct results
+    big = torch.randn(257, device="cuda")
+    for view, a in [(big[1:], add), (big[1:], add), (big[:256], add)]:
+        assert torch.equal(_affine(launch, view, a, 256, 0.5), _expected(view, a, 256, 0.5))
+    assert len(calls) == 2 and len(launch.cache) == 2
+    # an int argument 16, 17, 1: three specializations (multiple of 16, not, constexpr 1), each correct
+    for n in (16, 17, 1, 16, 17, 1):
+        assert torch.equal(_affine(launch, x, add, n, 0.5), _expected(x, add, n, 0.5))
+    assert len(calls) == 4 and len(launch.cache) == 4
+    assert torch.equal(_affine(launch, x, None, 256, 0.5), _expected(x, None, 256, 0.5))
+    assert len(calls) == 5
+
+
+@needs_cuda
+def test_gpu_fast_path_same_bits_as_plain():
+    launch = CachedLauncher(_affine_kernel)
+    x, add = torch.randn(10_000, device="cuda") * 1e3, torch.randn(10_000, device="cuda")
+    plain = _affine(_plain, x, add, 9_999, 1 / 3, block=256)
+    for _ in range(3):  # the first call compiles, the others take the fast path
+        assert torch.equal(_affine(launch, x, add, 9_999, 1 / 3, block=256), plain)
+    assert len(launch.cache) == 1
+
+
+@needs_cuda
+def test_gpu_launch_hook_sees_every_launch(monkeypatch):
+    launch, calls = _counting(monkeypatch)
+    x = torch.randn(64, device="cuda")
+    _affine(launch, x, None, 64, 1.0)
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert torch.equal(_affine(launch, x, None, 64, 1.0), _expected(x, None, 64, 1.0))
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert seen == ["_affine_kernel"] and len(calls) == 2
+
+
+@needs_cuda
+def test_gpu_graph_capture():
+    launch = CachedLauncher(_affine_kernel)
+    x, out = torch.randn(1000, device="cuda"), torch.zeros(1000, device="cuda")
+    args = (x, out, None, 1000, 0.5, 128)
+    launch((8,), args, OPTIONS)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch((8,), args, OPTIONS)
+    x.copy_(torch.randn(1000, device="cuda"))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, x * 2 + 0.5) and len(launch.cache) == 1
