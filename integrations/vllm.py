@@ -3,7 +3,7 @@ keeps the contract's kept set (`rl_logp.sampling_mask`).
 
 Patched, where the installed vLLM has them (probed, not assumed; 0.24.0 and 0.34.0 are tested):
 - Model Runner V1 (vLLM <= 0.2x): `vllm.v1.sample.sampler.Sampler.compute_logprobs` (full-vocab logprobs,
-  `rl_logp.full_logprobs`, one kernel launch on CUDA; the sampled token, top-k and ranks of every
+  `rl_logp.full_logprobs`, one kernel launch on CUDA when eager; the sampled token, top-k and ranks of every
   `logprobs_mode` are gathered from it by vLLM's own code).
 - V1 processed modes: `TopKTopPSampler.forward_native` / `forward_cpu` (they call log_softmax on the
   processed logits themselves). Samplers bind `forward` when constructed: apply before the engine starts
@@ -73,7 +73,7 @@ def try_import(name: str):
 
 def make_compute_logprobs(config: LogpConfig):
     """Drop-in for V1 `Sampler.compute_logprobs(logits) -> fp32 [B, V]` (`rl_logp.full_logprobs`: one launch
-    on CUDA)."""
+    on CUDA when eager)."""
 
     def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
         return rl_logp.full_logprobs(logits, config=config)
@@ -83,7 +83,7 @@ def make_compute_logprobs(config: LogpConfig):
 
 def make_compute_token_logprobs(config: LogpConfig):
     """Drop-in for V2 `compute_token_logprobs(logits, token_ids) -> fp32 [B, K]` (`rl_logp.column_logprobs`:
-    one launch on CUDA)."""
+    one launch on CUDA when eager)."""
 
     def compute_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         return rl_logp.column_logprobs(logits, token_ids, config=config)

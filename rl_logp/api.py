@@ -269,7 +269,8 @@ def log_normalizer(
 
 def _rollout_scores(logits, columns, temperature, opts: Options, *, full: bool) -> RowStats:
     """One forward of an invariant engine straight from the engine (no op, no autograd): what a rollout
-    engine asks at every decode step, in one launch on the fused path. Under torch.compile it runs
+    engine asks at every decode step, in one launch on the fused path (eagerly; captured in a CUDA graph, a
+    few rows take the split plan's two or three, see `rl_logp.kernels.launch`). Under torch.compile it runs
     eagerly (a graph break); eager calls skip the compiler's wrapper, which costs microseconds per call."""
     if torch.compiler.is_compiling():
         return _eager_rollout_scores(logits, columns, temperature, opts, full=full)
@@ -299,7 +300,7 @@ def column_logprobs(
     """Logprobs of K columns of each row, fp32 of `columns`' shape (the logits' row shape + [K], int64 or
     int32 ids): entry k of a row is what `logprobs(logits, ids)` gives for id `columns[..., k]`, bit for
     bit (0 for an id outside [0, V) or a row of -inf). A rollout's sampled token and top-n logprobs: one
-    kernel launch on the fused path. Not differentiable; runs eagerly under torch.compile."""
+    kernel launch on the fused path (eager). Not differentiable; runs eagerly under torch.compile."""
     opts = Options(backend, config=config, chunk_bytes=chunk_bytes, fixed_point_bits=fixed_point_bits)
     return _shaped(_rollout_scores(logits, columns, temperature, opts, full=False).logp, columns.shape)
 
@@ -316,7 +317,7 @@ def full_logprobs(
     """Every column's logprob, `(z - M) - L` (z = fp32(logits) / T, (M, L) = `log_normalizer`), fp32 of the
     logits' shape: column j of a row holds the bits `logprobs` gives for label j wherever the row has a
     finite max (a row of -inf gives NaN, as log_softmax does). A rollout's full-vocabulary logprobs: one
-    kernel launch on the fused path (max pass, sums pass, write pass). Not differentiable; runs eagerly
+    kernel launch on the fused path (eager; max pass, sums pass, write pass). Not differentiable; runs eagerly
     under torch.compile."""
     opts = Options(backend, config=config, chunk_bytes=chunk_bytes, fixed_point_bits=fixed_point_bits)
     return _shaped(_rollout_scores(logits, None, temperature, opts, full=True).full, logits.shape)
