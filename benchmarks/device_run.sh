@@ -10,6 +10,8 @@
 #   megatron  bench_verl_step.py --suites megatron: verl's Megatron engine step -> $OUT/h200_megatron_step.json
 #   rollout   bench_rollout.py (ROLLOUT_ARGS) against each carried vLLM (ROLLOUT_VERSIONS)
 #             -> $OUT/h200_rollout_<version>.json
+#   profile   profile_rollout_step.py for vLLM 0.24.0's V1 step at 8 rows, raw and processed (PROFILE_ARGS):
+#             each function's host time per step, patched minus unpatched -> $OUT/h200_profile_v1_<mode>.txt
 #   check     the TP=2 agreement check with each carried vLLM as the rollout side
 #   linear    (issue 27) tests/test_linear.py, then bench_linear.py: rl-logp's fused lm_head + logp beside
 #             verl's fused heads and the unfused path -> $OUT/gpu_linear_tests.txt, $OUT/h200_linear.json
@@ -64,6 +66,11 @@ for stage in ${STAGES}; do
       for version in ${ROLLOUT_VERSIONS:-${VLLM_VERSIONS[@]}}; do
         PYTHONPATH="${BASE}:/tmp/vllm-${version}" timeout "${ROLLOUT_TIMEOUT:-240}" python3 -P benchmarks/bench_rollout.py \
           --reps "${REPS:-20}" ${ROLLOUT_ARGS:-} --out "$OUT/h200_rollout_${version}.json" 2>&1 | quiet | tee "$OUT/rollout_${version}.txt" | tail -42
+      done ;;
+    profile)
+      for mode in raw_logprobs processed_logprobs; do
+        PYTHONPATH="${BASE}:/tmp/vllm-0.24.0" timeout "${PROFILE_TIMEOUT:-120}" python3 -P benchmarks/profile_rollout_step.py \
+          --path v1_sampler --mode "${mode}" --batch 8 ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/h200_profile_v1_${mode}.txt" | head -30
       done ;;
     check)
       for version in "${VLLM_VERSIONS[@]}"; do
