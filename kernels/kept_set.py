@@ -37,7 +37,7 @@ import triton.language as tl
 from .arrival import last_to_arrive, published
 from .fixed_point import INTERPRET, Named, max_all
 from .kept_set_select import cut_value, first_counts, range_max, write_cut
-from .launch import INTERPRETER_SLOTS, on_device, sm_count
+from .launch import INTERPRETER_SLOTS, launch_options, on_device, sm_count
 from .launcher import CachedLauncher
 
 PHASE_MAX: tl.constexpr = Named(0)  # split launch 1: each range's max, the row's arrival counter zeroed
@@ -184,13 +184,6 @@ fused_launch = CachedLauncher(kept_set_kernel)  # Triton's launch with less host
 range_launch = CachedLauncher(kept_set_range_kernel)
 
 
-@functools.lru_cache(maxsize=16)
-def _options(cfg: KeptSetLaunch) -> dict:
-    """The launch options of the kept-set kernels (no fp contraction, libdevice's non-flushing exp)."""
-    return {"num_warps": cfg.warps, "enable_fp_fusion": False, "enable_reflect_ftz": False,
-            **({} if INTERPRET else {"maxnreg": cfg.max_registers})}
-
-
 @functools.lru_cache(maxsize=64)
 def bucket_rate(bits: int, buckets: int) -> float:
     """Buckets per unit of d = M - z: the largest power of two with which the last bucket starts past
@@ -241,7 +234,7 @@ def kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | 
     split = split_count(z, cfg)
     rate, q_scale = bucket_rate(bits, cfg.buckets), float(2.0**bits)
     modes = (top_k is not None, top_p is not None, write, cfg.block, cfg.buckets, cfg.small, cfg.big, cfg.pivots)
-    options = _options(cfg)
+    options = launch_options(cfg.warps, False, cfg.max_registers)  # exp not flushed, as the forward
     with on_device(z):  # Triton launches on the current device's stream
         if split == 1:
             programs = n if INTERPRET or not z.is_cuda else max(1, min(n, _slots(z, cfg)))

@@ -105,6 +105,17 @@ def _quant(vocab: int, bits: int, chunk: int, lane: int, quant: int) -> int:
     return QUANT_CAST.value
 
 
+@functools.lru_cache(maxsize=64)
+def launch_options(warps: int, ftz: bool, maxnreg: int) -> dict:
+    """The options of every launch of these kernels: no fp contraction, libdevice's `exp` flushed or not
+    (`ftz`), a cap on the registers per thread (0: none; the interpreter takes none). One dict object per
+    setting: the launcher keys on its text."""
+    options = {"num_warps": warps, "enable_fp_fusion": False, "enable_reflect_ftz": ftz}
+    if maxnreg and not INTERPRET:
+        options["maxnreg"] = maxnreg
+    return options
+
+
 @functools.lru_cache(maxsize=256)
 def _forward_settings(vocab: int, bits: int, entropy: bool, max_from: int, result: int, temp_mode: int,
                       cfg: LaunchConfig) -> tuple[tuple, dict]:
@@ -112,10 +123,7 @@ def _forward_settings(vocab: int, bits: int, entropy: bool, max_from: int, resul
     settings) and its options: built once per settings, not at every call."""
     tail = (float(2.0**bits), 2.0**-bits, max_from, result, temp_mode, cfg.div, entropy, cfg.chunk, cfg.lane,
             _quant(vocab, bits, cfg.chunk, cfg.lane, cfg.quant), *split_constants(bits))
-    options = {"num_warps": cfg.warps, "enable_fp_fusion": False, "enable_reflect_ftz": cfg.ftz}
-    if cfg.maxnreg and not INTERPRET:
-        options["maxnreg"] = cfg.maxnreg
-    return tail, options
+    return tail, launch_options(cfg.warps, cfg.ftz, cfg.maxnreg)
 
 
 def forward_launch(x, labels, temp_mode, temp_rows, t_scalar, max_in, outs, sums, bits, entropy, max_from, result,
@@ -226,11 +234,6 @@ def shard_sums(x: torch.Tensor, temp_mode: int, temp_rows: torch.Tensor | None, 
         row_stats_launch(grid, args, options)
 
 
-@functools.lru_cache(maxsize=16)
-def _grad_options(warps: int, ftz: bool) -> dict:
-    return {"num_warps": warps, "enable_fp_fusion": False, "enable_reflect_ftz": ftz}
-
-
 def grad(x: torch.Tensor, out: torch.Tensor, labels: torch.Tensor | None, label_offset: int, vocab_total: int,
          temp_mode: int, temp_rows: torch.Tensor | None, t_scalar: float, row_max: torch.Tensor,
          log_sum: torch.Tensor, entropy: torch.Tensor | None, g_logp: torch.Tensor | None,
@@ -244,5 +247,5 @@ def grad(x: torch.Tensor, out: torch.Tensor, labels: torch.Tensor | None, label_
             x, x.stride(0), out, out.stride(0), labels, label_offset, vocab_total, temp_rows, t_scalar,
             row_max, log_sum, entropy, g_logp, g_logp.stride(0) if has_lp else 0, g_entropy,
             g_entropy.stride(0) if has_h else 0, vocab, temp_mode, cfg.div, has_lp, has_h, cfg.grad_block),
-            _grad_options(cfg.grad_warps, cfg.ftz))
+            launch_options(cfg.grad_warps, cfg.ftz, 0))
 
