@@ -327,7 +327,7 @@ def rollout_calls(providers: dict, labels: torch.Tensor, ids: torch.Tensor) -> d
 
 
 @contextlib.contextmanager
-def fused_launch(overrides: dict):
+def engine_launch_config(overrides: dict):
     """The public functions' fused engine with these `LaunchConfig` overrides, for the block."""
     from rl_logp.engines import make_engine
 
@@ -388,7 +388,7 @@ def run_rollout(args, device, report: Report) -> None:
             with torch.no_grad():
                 for name, overrides, fn in calls:
                     try:
-                        with fused_launch(overrides):
+                        with engine_launch_config(overrides):
                             for _ in range(10):
                                 fn(inputs[0], temperature)
                             rows[name]["gpu_us"] = graph_us(lambda f=fn, t=temperature, x=inputs[0]: f(x, t), 20, device)
@@ -398,7 +398,7 @@ def run_rollout(args, device, report: Report) -> None:
                     for name, overrides, fn in calls[r % len(calls):] + calls[:r % len(calls)]:
                         if "error" in rows[name]:
                             continue
-                        with fused_launch(overrides):
+                        with engine_launch_config(overrides):
                             _sync(device)
                             t0 = time.perf_counter()
                             for i in range(block):
