@@ -19,7 +19,8 @@ Suites (`--suites`), each row written to the JSON (`--out`) as soon as it is mea
            sampled token's logp, 21 columns per row (`column_logprobs`) and every column
            (`full_logprobs`), each beside the torch expression vLLM's own PyTorch code computes; with
            `--variants`, rl-logp's calls again under each set of launch overrides.
-  overhead host time per call of each piece of a rollout-size `rl_logp.logprobs`.
+  overhead host time per call of each piece of a rollout-size `rl_logp.logprobs`, and of the rollout calls
+           (`full_logprobs`, `column_logprobs`) with their plans and on the ordinary path.
   tp       the cost of the TP agreement per call: `rl_logp.logprobs` with a `tp_group` (an NCCL group of
            this one process on a GPU, gloo on the CPU) in `tp_agreement` modes `every_call` (a host sync)
            and `first_call`, beside the same call without a group, at rollout and training sizes.
@@ -415,9 +416,42 @@ def run_rollout(args, device, report: Report) -> None:
                 report.add(row)
 
 
+@contextlib.contextmanager
+def ordinary_path():
+    """The rollout functions without their plans (`rl_logp.rollout_calls`): the set-up at every call."""
+    from rl_logp import rollout_calls
+
+    signature = rollout_calls.signature
+    rollout_calls.signature = lambda *args: None
+    try:
+        yield
+    finally:
+        rollout_calls.signature = signature
+
+
+@contextlib.contextmanager
+def stubbed_forward_launch():
+    """The forward kernel's launch replaced by a no-op (the CPU: the interpreter's launch runs the kernel),
+    so what is timed is the Python and torch work around it."""
+    from rl_logp.kernels import launch
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **options: None
+
+    kernel = launch.row_stats_launch.kernel
+    launch.row_stats_launch.kernel = NoLaunch()
+    try:
+        yield
+    finally:
+        launch.row_stats_launch.kernel = kernel
+
+
 def run_overhead(args, device, report: Report) -> None:
-    """Host time per call of the pieces of a rollout-size `rl_logp.logprobs` (8 rows, T=0.7), the loop not
-    waiting for the GPU: where the host time of a call goes."""
+    """Host time per call, the loop not waiting for the GPU: the pieces of a rollout-size `rl_logp.logprobs`
+    (8 rows, T=0.7), and the two calls vLLM's adapter makes at every decode step (`full_logprobs`,
+    `column_logprobs` of 21 ids) with their plans and on the ordinary path, beside torch's expressions. On
+    the CPU (the fused kernels under the interpreter) the rollout calls run with the launch stubbed out."""
     from rl_logp.engines import make_engine
     from rl_logp.engines.fused import _temperature_args
     from rl_logp.kernels import launch
@@ -425,6 +459,7 @@ def run_overhead(args, device, report: Report) -> None:
 
     inputs, labels = make_inputs(8, args.vocab, device, 5)
     x = inputs[0]
+    ids = torch.randint(0, args.vocab, (8, 21), device=device, generator=torch.Generator(device).manual_seed(6))
     cfg = rl_logp.resolve_config(None)
     engine_name = rl_logp.resolve_backend("auto", device)
     engine = make_engine(engine_name, cfg.chunk_bytes)
@@ -434,33 +469,48 @@ def run_overhead(args, device, report: Report) -> None:
     launch_config = getattr(engine, "config", launch.LaunchConfig())
     grid, kernel_args, options = launch.forward_launch(x, labels, *temp, None, (None, None, None, out, None), (None, None),
                                                     40, False, 0, 0, launch_config)
+    stubbed = " (launch stubbed)" if device.type != "cuda" else ""
+    fused = rl_logp.LogpConfig(backend="fused") if rl_logp.fused_runs_on(device) else cfg
+    full = lambda: rl_logp.full_logprobs(x, config=fused)  # noqa: E731
+    columns = lambda: rl_logp.column_logprobs(x, ids, config=fused)  # noqa: E731
     pieces = {
-        "rl_logp.logprobs (no grad)": lambda: rl_logp.logprobs(x, labels, temperature=0.7),
-        "resolve_config": lambda: rl_logp.resolve_config(None),
-        "prepare_inputs": lambda: prepare_inputs(x, labels, 0.7),
-        "Inputs.request": lambda: prepare_inputs(x, labels, 0.7).request(cfg, engine_name, entropy=False,
-                                                                         normalizer=False),
-        "engine.row_stats (output + launch)": lambda: engine.row_stats(req),
-        "kernels.launch.row_stats (launch only)": lambda: launch.row_stats(x, labels, *temp, 40, False, None, None,
-                                                                           None, out, None, launch_config),
-        "torch.empty(8)": lambda: torch.empty(8, dtype=torch.float32, device=device),
-        "the kernel's launch alone (kernel[grid](...))": lambda: launch.row_stats_kernel[grid](*kernel_args, **options),
-        "the kernel's launch alone (launcher.CachedLauncher)": lambda: launch.row_stats_launch(grid, kernel_args, options),
-        "torch log_softmax + gather": lambda: torch.log_softmax(x.float() / 0.7, -1).gather(1, labels[:, None]),
+        "rl_logp.logprobs (no grad)": (lambda: rl_logp.logprobs(x, labels, temperature=0.7), None),
+        "resolve_config": (lambda: rl_logp.resolve_config(None), None),
+        "prepare_inputs": (lambda: prepare_inputs(x, labels, 0.7), None),
+        "Inputs.request": (lambda: prepare_inputs(x, labels, 0.7).request(cfg, engine_name, entropy=False,
+                                                                          normalizer=False), None),
+        "engine.row_stats (output + launch)": (lambda: engine.row_stats(req), None),
+        "kernels.launch.row_stats (launch only)": (lambda: launch.row_stats(x, labels, *temp, 40, False, None, None,
+                                                                            None, out, None, launch_config), None),
+        "torch.empty(8)": (lambda: torch.empty(8, dtype=torch.float32, device=device), None),
+        "the kernel's launch alone (kernel[grid](...))": (
+            lambda: launch.row_stats_kernel[grid](*kernel_args, **options), None),
+        "the kernel's launch alone (launcher.CachedLauncher)": (
+            lambda: launch.row_stats_launch(grid, kernel_args, options), None),
+        "torch log_softmax + gather": (lambda: torch.log_softmax(x.float() / 0.7, -1).gather(1, labels[:, None]), None),
+        f"rl_logp.full_logprobs, plan{stubbed}": (full, contextlib.nullcontext),
+        f"rl_logp.full_logprobs, ordinary path{stubbed}": (full, ordinary_path),
+        f"rl_logp.column_logprobs of 21 ids, plan{stubbed}": (columns, contextlib.nullcontext),
+        f"rl_logp.column_logprobs of 21 ids, ordinary path{stubbed}": (columns, ordinary_path),
+        "torch log_softmax (V1 compute_logprobs)": (lambda: x.log_softmax(-1, dtype=torch.float32), None),
+        "torch log_softmax + gather of 21 ids": (lambda: x.log_softmax(-1, dtype=torch.float32).gather(1, ids), None),
     }
     if device.type != "cuda":
-        for name in [name for name in pieces if "launch" in name and "row_stats (output" not in name]:
+        for name in [name for name in pieces if "launch" in name and "row_stats (output" not in name and
+                     "stubbed" not in name]:
             del pieces[name]
     with torch.no_grad():
-        for name, fn in pieces.items():
-            for _ in range(20):
-                fn()
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(args.rollout_reps):
-                fn()
-            host = (time.perf_counter() - t0) / args.rollout_reps * 1e6
-            _sync(device)
+        for name, (fn, path) in pieces.items():
+            stub = stubbed_forward_launch() if path is not None and stubbed else contextlib.nullcontext()
+            with stub, (path or contextlib.nullcontext)():
+                for _ in range(20):
+                    fn()
+                _sync(device)
+                t0 = time.perf_counter()
+                for _ in range(args.rollout_reps):
+                    fn()
+                host = (time.perf_counter() - t0) / args.rollout_reps * 1e6
+                _sync(device)
             report.add({"suite": "overhead", "provider": name, "rows": 8, "host_us": host})
 
 

@@ -26,7 +26,7 @@ from .fixed_point import (
     split_constants,
 )
 from .grad import grad_kernel
-from .launcher import CachedLauncher
+from .launcher import BoundLaunch, CachedLauncher
 from .row_stats import MAX_GIVEN, MAX_SCAN, RESULT_MAX, RESULT_ROW, RESULT_SUMS, row_stats_kernel
 from .row_stats_ranges import PHASE_MAX, PHASE_SUMS, PHASE_WRITE, row_stats_range_kernel, row_words
 
@@ -213,6 +213,25 @@ def row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, temp
             grid, args, options = forward_launch(x, labels, temp_mode, temp_rows, t_scalar, None, outs, (None, None),
                                                  bits, entropy, MAX_SCAN.value, RESULT_ROW.value, cfg, out_full)
         row_stats_launch(grid, args, options)
+
+
+def bind_row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, t_scalar: float, bits: int,
+                   out_logp: torch.Tensor | None, cfg: LaunchConfig,
+                   out_full: torch.Tensor | None = None) -> BoundLaunch | None:
+    """An eager `row_stats` of these arguments writing `out_logp` or `out_full` alone (no tensor temperature),
+    as a `BoundLaunch` taking (x, labels, out) (labels given) or (x, out): for a caller that repeats the call
+    with new tensors of the same shapes (a rollout, at every decode step). None where an eager `row_stats`
+    would launch more than once (`cfg.two_pass`, the split plan with `cfg.split_eager`) or where the launch
+    has not yet run (bind after a `row_stats` of these arguments: it compiled the kernel)."""
+    n, vocab = x.shape
+    if cfg.two_pass or (cfg.split_eager and split_ranges(n, vocab, x.device.index if x.is_cuda else None, cfg)[0] > 1):
+        return None
+    grid, args, options = forward_launch(x, labels, temp_mode, None, t_scalar, None, (None, None, None, out_logp, None),
+                                         (None, None), bits, False, MAX_SCAN.value, RESULT_ROW.value, cfg, out_full)
+    tensors = [t for t in (x, labels, out_logp, out_full) if t is not None]
+    slots = [next(i for i, a in enumerate(args) if a is t) for t in tensors]
+    with on_device(x):
+        return row_stats_launch.bind(grid, args, options, slots)
 
 
 def shard_max(x: torch.Tensor, temp_mode: int, temp_rows: torch.Tensor | None, t_scalar: float,

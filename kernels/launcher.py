@@ -23,6 +23,12 @@ not compared again (Triton's check costs about 0.6 us per `Named` global per lau
 this does not see a constexpr object changed in place after that first comparison.
 Without launch hooks `JITFunction.run` hands the launcher a metadata dict and empty hook chains that do
 nothing (Triton 3.6's hooks are HookChains, never None); this passes None for the three, which it skips.
+
+`launcher.bind(grid, args, options, slots)` goes one step further for a caller that launches the same
+arguments again and again with only some tensors changing (a rollout's call at every decode step): a
+`BoundLaunch` holding the arguments and the compiled kernel, which per call checks only what can differ
+(each new tensor's dtype and alignment, the current device, the knobs and hooks, the globals) and declines
+(launching nothing) where the launcher's key would differ.
 """
 
 from __future__ import annotations
@@ -93,33 +99,102 @@ class CachedLauncher:
         self.fast = not INTERPRET and type(kernel) is JITFunction
         self.constexpr = tuple(p.is_constexpr for p in kernel.params) if self.fast else ()
 
+    def _plain_only(self, grid: Any, args: Sequence[Any]) -> bool:
+        """Whether this launch must take Triton's own path (see the module docstring)."""
+        rt = knobs.runtime
+        return (not self.fast or type(grid) is not tuple or len(args) != len(self.constexpr)
+                or bool(self.kernel.pre_run_hooks) or _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook))
+
+    def _head(self, device: int) -> tuple:
+        """The key items that are not arguments, but the options (the device, debug and instrumentation)."""
+        return device, self.kernel.debug, knobs.runtime.debug, knobs.compilation.instrumentation_mode
+
     def __call__(self, grid: tuple[int, ...], args: Sequence[Any], options: dict[str, Any]) -> Any:
-        kernel, rt = self.kernel, knobs.runtime
-        if (not self.fast or type(grid) is not tuple or len(args) != len(self.constexpr) or kernel.pre_run_hooks
-                or _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)):
+        kernel = self.kernel
+        if self._plain_only(grid, args):
             return kernel[grid](*args, **options)
         items = arg_key(args, self.constexpr)
         if items is None:
             return kernel[grid](*args, **options)
         device = driver.active.get_current_device()
         # str(options): Triton's own key for the options (True and 1 are equal, but not in Triton's key)
-        key = (device, kernel.debug, rt.debug, knobs.compilation.instrumentation_mode, str(options), *items)
+        key = (*self._head(device), str(options), *items)
         entry = self.cache.get(key)
         if entry is None:
             compiled = kernel[grid](*args, **options)
             if isinstance(compiled, CompiledKernel):  # not None (a jit_cache_hook), nor an async future
                 self.cache[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata)
             return compiled
+        self.check_globals()
+        _run(entry, grid, device, args)
+        return entry[0]
+
+    def check_globals(self) -> None:
+        """Raise as `JITFunction.run` does when a global the kernel used no longer holds its value."""
         seen = self.globals_seen
-        for name_scope, (value, scope) in kernel.used_global_vals.items():
+        for name_scope, (value, scope) in self.kernel.used_global_vals.items():
             now = scope.get(name_scope[0], _MISSING)
             if now is not seen.get(name_scope, _UNSEEN):
                 if now != value:
                     raise RuntimeError(f"Global variable {name_scope[0]} has changed since we compiled this "
                                        f"kernel, from {value} to {now}")
                 seen[name_scope] = now
-        compiled, run, function, metadata = entry
-        n = len(grid)
-        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, driver.active.get_current_stream(device),
-            function, metadata, None, None, None, *args)
-        return compiled
+
+    def bind(self, grid: tuple[int, ...], args: Sequence[Any], options: dict[str, Any],
+             slots: Sequence[int]) -> BoundLaunch | None:
+        """This launch with the tensors at `slots` left to each call (`BoundLaunch`), once `self(grid, args,
+        options)` has run; None where that launch would not take the fast path (or has not been compiled).
+        Under the interpreter the bound launch is Triton's plain launch."""
+        if not all(type(args[s]) is torch.Tensor for s in slots):
+            return None
+        if not self.fast:
+            return BoundLaunch(self, grid, args, options, slots, None, None)
+        items = None if self._plain_only(grid, args) else arg_key(args, self.constexpr)
+        if items is None:
+            return None
+        head = self._head(driver.active.get_current_device())
+        entry = self.cache.get((*head, str(options), *items))
+        return None if entry is None else BoundLaunch(self, grid, args, options, slots, head, entry)
+
+
+def _run(entry: tuple, grid: tuple[int, ...], device: int, args: Sequence[Any]) -> None:
+    """Launch a cached CompiledKernel as `JITFunction.run` does, on the device's current stream."""
+    _, run, function, metadata = entry
+    n = len(grid)
+    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, driver.active.get_current_stream(device),
+        function, metadata, None, None, None, *args)
+
+
+class BoundLaunch:
+    """`launcher(grid, args, options)` with the tensors at `slots` given at each call: `bound(tensors)`
+    launches with `tensors` in those places and returns True, or returns False launching nothing where
+    the launcher's key would not be the bound one (a tensor of another dtype or 16-byte alignment, another
+    current device, a changed debug or instrumentation knob, a launch or pre-run hook); a changed global
+    raises as Triton does. It holds the other arguments (not the tensors of the slots), so a caller binds
+    only what its own key fixes."""
+
+    __slots__ = ("args", "entry", "grid", "head", "launcher", "options", "slots", "tensor_keys")
+
+    def __init__(self, launcher: CachedLauncher, grid: tuple[int, ...], args: Sequence[Any], options: dict[str, Any],
+                 slots: Sequence[int], head: tuple | None, entry: tuple | None) -> None:
+        self.launcher, self.grid, self.options, self.slots = launcher, grid, options, tuple(slots)
+        self.args = [None if i in self.slots else a for i, a in enumerate(args)]  # holds no tensor of a slot
+        self.tensor_keys = tuple((args[s].dtype, not args[s].data_ptr() & 15) for s in slots)
+        self.head, self.entry = head, entry  # entry None: Triton's plain launch (the interpreter)
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> bool:
+        args = self.args.copy()
+        for slot, t, (dtype, aligned) in zip(self.slots, tensors, self.tensor_keys, strict=True):
+            if type(t) is not torch.Tensor or t.dtype is not dtype or (not t.data_ptr() & 15) is not aligned:
+                return False
+            args[slot] = t
+        launcher = self.launcher
+        if self.entry is None:
+            launcher.kernel[self.grid](*args, **self.options)
+            return True
+        device = driver.active.get_current_device()
+        if launcher._plain_only(self.grid, args) or launcher._head(device) != self.head:
+            return False
+        launcher.check_globals()
+        _run(self.entry, self.grid, device, args)
+        return True

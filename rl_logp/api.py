@@ -13,7 +13,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from rl_logp import baselines, ops
+from rl_logp import baselines, ops, rollout_calls
 from rl_logp.config import LogpConfig, resolve_config
 from rl_logp.engines import INVARIANT_ENGINES, RowStats, make_engine, resolve_backend
 from rl_logp.request import LogpRequest, prepare_inputs
@@ -267,21 +267,34 @@ def log_normalizer(
     return _shaped(stats.row_max, shape), _shaped(stats.log_sum, shape)
 
 
-def _rollout_scores(logits, columns, temperature, opts: Options, *, full: bool) -> RowStats:
-    """One forward of an invariant engine straight from the engine (no op, no autograd): what a rollout
-    engine asks at every decode step, in one launch on the fused path (eagerly; captured in a CUDA graph, a
-    few rows take the split plan's two or three, see `rl_logp.kernels.launch`). Under torch.compile it runs
-    eagerly (a graph break); eager calls skip the compiler's wrapper, which costs microseconds per call."""
+def _rollout_scores(logits, columns, temperature, opts: Options, *, full: bool) -> torch.Tensor:
+    """The logprobs of `columns` (or with `full` of every column): one forward of an invariant engine straight
+    from the engine (no op, no autograd), what a rollout engine asks at every decode step. On the fused path
+    one launch eagerly, after the first call of a signature without the set-up (`rl_logp.rollout_calls`);
+    captured in a CUDA graph, a few rows take the split plan's two or three launches (see
+    `rl_logp.kernels.launch`). Under torch.compile it runs eagerly (a graph break); eager calls skip the
+    compiler's wrapper, which costs microseconds per call."""
     if torch.compiler.is_compiling():
         return _eager_rollout_scores(logits, columns, temperature, opts, full=full)
     if logits.requires_grad and torch.is_grad_enabled():
         with torch.no_grad():
             return _rollout_scores(logits, columns, temperature, opts, full=full)
+    cfg = _config(opts)
+    key = rollout_calls.signature(logits, columns, temperature, cfg, full)
+    if key is not None:
+        out = rollout_calls.run(key, logits, columns)
+        if out is not None:
+            return out
     req = _request(logits, columns, temperature, opts, entropy=False, normalizer=False, inplace_backward=False,
                    columns=columns is not None, full=full)
     if req.engine not in INVARIANT_ENGINES:
         raise ValueError(f"rl_logp: this function needs an invariant backend (fused/chunked/auto), got {req.engine!r}")
-    return make_engine(req.engine, req.chunk_bytes).row_stats(req)
+    engine = make_engine(req.engine, req.chunk_bytes)
+    stats = engine.row_stats(req)
+    out = stats.full if full else stats.logp
+    if key is not None:
+        rollout_calls.remember(key, cfg, engine, req, logits, columns, out)
+    return out
 
 
 _eager_rollout_scores = torch.compiler.disable(_rollout_scores)
@@ -302,7 +315,7 @@ def column_logprobs(
     bit (0 for an id outside [0, V) or a row of -inf). A rollout's sampled token and top-n logprobs: one
     kernel launch on the fused path (eager). Not differentiable; runs eagerly under torch.compile."""
     opts = Options(backend, config=config, chunk_bytes=chunk_bytes, fixed_point_bits=fixed_point_bits)
-    return _shaped(_rollout_scores(logits, columns, temperature, opts, full=False).logp, columns.shape)
+    return _shaped(_rollout_scores(logits, columns, temperature, opts, full=False), columns.shape)
 
 
 def full_logprobs(
@@ -320,4 +333,4 @@ def full_logprobs(
     kernel launch on the fused path (eager; max pass, sums pass, write pass). Not differentiable; runs eagerly
     under torch.compile."""
     opts = Options(backend, config=config, chunk_bytes=chunk_bytes, fixed_point_bits=fixed_point_bits)
-    return _shaped(_rollout_scores(logits, None, temperature, opts, full=True).full, logits.shape)
+    return _shaped(_rollout_scores(logits, None, temperature, opts, full=True), logits.shape)

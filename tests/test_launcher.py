@@ -150,13 +150,19 @@ class _Counted(tl.constexpr):
         return super().__ne__(other)
 
 
-def test_fast_path_launches_what_triton_picks(monkeypatch):
+def _stood_in_launcher(monkeypatch) -> tuple[JITFunction, CachedLauncher, _Launches, list]:
+    """A CachedLauncher of `_probe` on its fast path, Triton's compile and launch stood in for: (the kernel,
+    the launcher, the launches' arguments, the keys of the calls that went through Triton)."""
     monkeypatch.setattr(launcher_module, "INTERPRET", False)
     monkeypatch.setattr(launcher_module, "driver", _Driver)
     kernel = JITFunction(_probe, do_not_specialize=["m"])
     launches = _Launches()
     calls = _stand_in_triton(kernel, launches)
-    launch = CachedLauncher(kernel)
+    return kernel, CachedLauncher(kernel), launches, calls
+
+
+def test_fast_path_launches_what_triton_picks(monkeypatch):
+    kernel, launch, launches, calls = _stood_in_launcher(monkeypatch)
     binder = create_function_from_signature(kernel.signature, kernel.params, BACKEND)
     x, y = torch.empty(64), torch.empty(64, dtype=torch.bfloat16)
     opts = {"num_warps": 4}
@@ -338,3 +344,78 @@ def test_gpu_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, x * 2 + 0.5) and len(launch.cache) == 1
+
+
+def test_bound_launch_launches_what_the_launcher_does(monkeypatch):
+    """A BoundLaunch gives Triton's launcher the arguments the CachedLauncher would, and declines (launching
+    nothing) wherever the launcher's key would change; Triton's compile and launch stood in for."""
+    kernel, launch, launches, calls = _stood_in_launcher(monkeypatch)
+    x, y, opts = torch.empty(64), torch.empty(64, dtype=torch.bfloat16), {"num_warps": 4}
+    base = (x, y, 16, 16, 5, 0.5, True, 32, 1)
+    assert launch.bind((3,), base, opts, (0, 1)) is None  # nothing compiled yet
+    launch((3,), base, opts)
+    assert launch.bind((3,), base, opts, (0, 2)) is None  # a slot that holds no tensor
+    bound = launch.bind((3,), base, opts, (0, 1))
+    assert bound.args[:2] == [None, None]  # it keeps no tensor of the call it was bound from
+    for new in [(torch.empty(64), torch.empty(32, dtype=torch.bfloat16)), (x[4:], y[8:]), (x, y)]:
+        assert bound(new)
+        via_bound = launches[-1]
+        launch((3,), (*new, *base[2:]), opts)
+        assert launches[-1] == via_bound
+    assert len(calls) == 1
+
+    def declines(tensors) -> bool:
+        before = len(launches)
+        return bound(tensors) is False and len(launches) == before
+
+    assert declines((x[1:], y))  # another alignment
+    assert declines((x, y[1:]))
+    assert declines((x.half(), y))  # another dtype
+    assert declines((torch.nn.Parameter(x), y))  # a subclass: the launcher's key differs
+    knobs.runtime.launch_enter_hook.add(hook := lambda metadata: None)
+    try:
+        assert declines((x, y))
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    kernel.add_pre_run_hook(lambda *args, **kwargs: None)
+    assert declines((x, y))
+    kernel.pre_run_hooks.clear()
+    monkeypatch.setattr(_Stream, "get_current_device", lambda self: 1)  # another current device
+    assert declines((x, y))
+    monkeypatch.setattr(_Stream, "get_current_device", lambda self: 0)
+    kernel.debug = True
+    assert declines((x, y))
+    kernel.debug = None
+    assert bound((x, y)) and len(calls) == 1
+    scope = {"G": tl.constexpr(5)}
+    kernel.used_global_vals = {("G", id(scope)): (tl.constexpr(5), scope)}
+    assert bound((x, y))
+    scope["G"] = tl.constexpr(6)
+    with pytest.raises(RuntimeError, match="Global variable G has changed"):
+        bound((x, y))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's launch (on a GPU: test_gpu_bound_launch)")
+def test_bound_launch_under_the_interpreter_is_the_plain_launch():
+    launch = CachedLauncher(_affine_kernel)
+    x, out = torch.randn(300), torch.empty(300)
+    launch((5,), (x, out, None, 300, 0.5, 64), OPTIONS)
+    bound = launch.bind((5,), (x, out, None, 300, 0.5, 64), OPTIONS, (0, 1))
+    for _ in range(2):
+        x2, out2 = torch.randn(300), torch.full((300,), -7.0)
+        assert bound((x2, out2)) and torch.equal(out2, _expected(x2, None, 300, 0.5))
+
+
+@needs_cuda
+def test_gpu_bound_launch():
+    launch = CachedLauncher(_affine_kernel)
+    x, out = torch.randn(1000, device="cuda"), torch.empty(1000, device="cuda")
+    args = (x, out, None, 1000, 0.5, 128)
+    launch((8,), args, OPTIONS)
+    bound = launch.bind((8,), args, OPTIONS, (0, 1))
+    for _ in range(3):
+        x2, out2 = torch.randn(1000, device="cuda"), torch.full((1000,), -7.0, device="cuda")
+        assert bound((x2, out2)) and torch.equal(out2, _expected(x2, None, 1000, 0.5))
+    misaligned = torch.randn(1001, device="cuda")[1:]
+    assert bound((misaligned, torch.empty(1000, device="cuda"))) is False
+    assert len(launch.cache) == 1

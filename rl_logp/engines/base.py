@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -46,6 +47,13 @@ class LogpEngine(abc.ABC):
     @abc.abstractmethod
     def shard_sums(self, req: LogpRequest, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(S, E) per row of a shard given the global max, int64 [n]; E is None without `req.entropy`."""
+
+    def bind_scores(self, req: LogpRequest, out: torch.Tensor) -> Callable[[Sequence[torch.Tensor]], bool] | None:
+        """A repeatable form of `row_stats(req)` for a request of one output `out` (logp of the labels, or
+        with `req.full` every column's) that just ran: called with (logits, labels, out) (or (logits, out)
+        without labels) of the request's shapes, it writes `out` and returns True, or returns False having
+        done nothing. None (the default): this engine has none."""
+        return None
 
     @abc.abstractmethod
     def grad(self, req: LogpRequest, stats: RowStats, g_logp: torch.Tensor | None, g_entropy: torch.Tensor | None,

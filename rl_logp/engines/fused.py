@@ -18,6 +18,7 @@ from rl_logp.engines.base import LogpEngine, RowStats
 from rl_logp.kernels import launch
 from rl_logp.kernels.fixed_point import TEMP_NONE, TEMP_ROWS, TEMP_SCALAR
 from rl_logp.kernels.launch import LaunchConfig
+from rl_logp.kernels.launcher import BoundLaunch
 from rl_logp.request import LogpRequest
 from rl_logp.temperature import Temperature
 
@@ -76,6 +77,15 @@ class FusedEngine(LogpEngine):
         launch.row_stats(x, labels, *_temperature_args(req.temperature), req.bits, req.entropy, stats.row_max,
                          stats.log_sum, stats.lse, stats.logp, stats.entropy, self.config, stats.full)
         return stats
+
+    def bind_scores(self, req: LogpRequest, out: torch.Tensor) -> BoundLaunch | None:
+        """The request's one launch as a `BoundLaunch` (see `launch.bind_row_stats`), for a request of one
+        output and a float temperature."""
+        if req.entropy or req.normalizer or req.temperature.rows is not None:
+            return None
+        temp_mode, _, t_scalar = _temperature_args(req.temperature)
+        return launch.bind_row_stats(req.logits, req.labels, temp_mode, t_scalar, req.bits, None if req.full else out,
+                                     self.config, out if req.full else None)
 
     def shard_max(self, req: LogpRequest) -> torch.Tensor:
         x = req.logits

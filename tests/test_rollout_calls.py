@@ -1,0 +1,167 @@
+"""Rollout calls' plans (rl_logp/rollout_calls.py): a call whose signature was seen skips the set-up and gives
+the bits of the ordinary path; any change of what the set-up reads takes the ordinary path (which checks
+it); a bound launch that declines falls back; a plan keeps no tensor of a call alive. On the fused kernel
+under Triton's interpreter here, through the compiled kernel on a GPU."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+from helpers import bits, model_like_logits, needs_cuda
+
+import rl_logp
+from rl_logp import api, rollout_calls
+from rl_logp.engines import fused_runs_on
+
+DEVICES = [pytest.param("cpu", id="fused-interpret-cpu",
+                        marks=pytest.mark.skipif(not fused_runs_on(torch.device("cpu")),
+                                                 reason="needs Triton's interpreter (TRITON_INTERPRET=1)")),
+           pytest.param("cuda", id="fused-cuda", marks=needs_cuda)]
+
+
+@pytest.fixture
+def ordinary_calls(monkeypatch) -> list:
+    """No plan at the start; the list of the calls that took the ordinary path (built a request)."""
+    rollout_calls.clear()
+    calls, request = [], api._request
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return request(*args, **kwargs)
+
+    monkeypatch.setattr(api, "_request", counted)
+    yield calls
+    rollout_calls.clear()
+
+
+def _inputs(n, vocab, dtype, device, seed):
+    x = model_like_logits(n, vocab, dtype, device, seed=seed)
+    ids = torch.randint(-1, vocab + 1, (n, 5), generator=torch.Generator().manual_seed(seed)).to(device)
+    return x, ids
+
+
+def _ordinary(fn, *args, **kwargs) -> torch.Tensor:
+    """The call on the ordinary path alone (no plan is looked up or kept)."""
+    saved = rollout_calls.signature
+    rollout_calls.signature = lambda *a: None
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        rollout_calls.signature = saved
+
+
+@pytest.mark.parametrize("temperature", [None, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", DEVICES)
+def test_repeated_calls_take_the_plan_and_give_the_ordinary_bits(ordinary_calls, device, dtype, temperature):
+    for seed in range(3):
+        x, ids = _inputs(4, 5000, dtype, device, seed)
+        got = rl_logp.column_logprobs(x, ids, backend="fused", temperature=temperature)
+        full = rl_logp.full_logprobs(x, backend="fused", temperature=temperature)
+        assert torch.equal(bits(got), bits(_ordinary(rl_logp.column_logprobs, x, ids, backend="fused",
+                                                     temperature=temperature)))
+        assert torch.equal(bits(full), bits(_ordinary(rl_logp.full_logprobs, x, backend="fused",
+                                                      temperature=temperature)))
+    assert len(ordinary_calls) == 2 + 2 * 3  # the two first calls and the references
+    assert len(rollout_calls._plans) == 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_changed_signature_takes_the_ordinary_path(ordinary_calls, device):
+    x, ids = _inputs(4, 3000, torch.bfloat16, device, 0)
+    rl_logp.column_logprobs(x, ids, backend="fused")
+    wide = model_like_logits(4, 3100, torch.bfloat16, device, seed=1)
+    changed = [
+        (x[:3], ids[:3], {}),  # another shape
+        (wide[:, :3000], ids, {}),  # other strides
+        (x.float(), ids, {}),  # another dtype
+        (x, ids, {"temperature": 0.5}),  # another temperature
+        (x, ids[:, :2].contiguous(), {}),  # another number of columns
+        (x, ids.to(torch.int32), {}),  # cast by the set-up: never a plan
+        (x, ids.to(torch.int32), {}),
+        (x, ids[:, :2], {}),  # strided columns, copied by the set-up: never a plan
+        (x, ids[:, :2], {}),
+        (x, ids, {"config": rl_logp.LogpConfig(backend="fused", fixed_point_bits=36)}),  # another config
+    ]
+    for logits, columns, kwargs in changed:
+        before = len(ordinary_calls)
+        kwargs = {"backend": "fused", **kwargs} if "config" not in kwargs else kwargs
+        got = rl_logp.column_logprobs(logits, columns, **kwargs)
+        assert len(ordinary_calls) == before + 1
+        assert torch.equal(bits(got), bits(_ordinary(rl_logp.column_logprobs, logits, columns, **kwargs)))
+    assert len(rollout_calls._plans) == 7  # the first call, and each change but the two copied
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input_after_a_plan_still_raises(ordinary_calls, device):
+    x, ids = _inputs(4, 3000, torch.bfloat16, device, 0)
+    rl_logp.column_logprobs(x, ids, backend="fused")
+    rl_logp.column_logprobs(x, ids, backend="fused")
+    with pytest.raises(ValueError, match="columns have shape"):
+        rl_logp.column_logprobs(x, ids[:3], backend="fused")
+    with pytest.raises(TypeError, match="labels have dtype"):
+        rl_logp.column_logprobs(x, ids.float(), backend="fused")
+    with pytest.raises(ValueError, match="must be finite and > 0"):
+        rl_logp.full_logprobs(x, backend="fused", temperature=-1.0)
+    assert len(rollout_calls._plans) == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_declined_launch_falls_back_to_the_ordinary_path(ordinary_calls, device):
+    """The same signature with logits 4 bytes off a 16-byte boundary: the bound launch declines."""
+    base = model_like_logits(1, 4 * 3000 + 1, torch.float32, device, seed=2)[0]
+    aligned, shifted = base[:-1].view(4, 3000), base[1:].view(4, 3000)
+    assert rollout_calls.signature(aligned, None, None, rl_logp.resolve_config(None), True) == \
+        rollout_calls.signature(shifted, None, None, rl_logp.resolve_config(None), True)
+    for x in (aligned, aligned, shifted, aligned, shifted):
+        got = rl_logp.full_logprobs(x, backend="fused")
+        assert torch.equal(bits(got), bits(_ordinary(rl_logp.full_logprobs, x, backend="fused")))
+    assert len(ordinary_calls) == 1 + 2 + 5  # the first call, the two shifted, the references
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_plan_holds_no_tensor_of_a_call(ordinary_calls, device):
+    x, ids = _inputs(4, 3000, torch.bfloat16, device, 0)
+    out = rl_logp.column_logprobs(x, ids, backend="fused")
+    refs = [weakref.ref(t) for t in (x, ids, out)]
+    del x, ids, out
+    gc.collect()
+    assert all(r() is None for r in refs) and len(rollout_calls._plans) == 1
+
+
+def test_plans_are_dropped_past_their_limit(ordinary_calls, monkeypatch):
+    monkeypatch.setattr(rollout_calls, "MAX_PLANS", 2)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: Triton's interpreter (conftest)
+    for n in (1, 2, 3):
+        rl_logp.full_logprobs(model_like_logits(n, 300, torch.float32, device), backend="fused")
+    assert len(rollout_calls._plans) == 1
+
+
+def test_the_chunked_engine_and_tensor_temperatures_have_no_plan(ordinary_calls):
+    x, ids = _inputs(4, 300, torch.float32, "cpu", 0)
+    for _ in range(2):
+        rl_logp.column_logprobs(x, ids, backend="chunked")
+        if fused_runs_on(torch.device("cpu")):
+            rl_logp.column_logprobs(x, ids, backend="fused", temperature=torch.full((4,), 0.7))
+    assert not rollout_calls._plans and len(ordinary_calls) == (4 if fused_runs_on(torch.device("cpu")) else 2)
+
+
+@needs_cuda
+def test_gpu_capture_takes_the_ordinary_path_and_replays_the_same_bits(ordinary_calls):
+    x, ids = _inputs(8, 151936, torch.bfloat16, "cuda", 0)
+    eager = rl_logp.column_logprobs(x, ids)
+    rl_logp.column_logprobs(x, ids)  # the plan
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        rl_logp.column_logprobs(x, ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    before = len(ordinary_calls)
+    with torch.cuda.graph(graph):
+        captured = rl_logp.column_logprobs(x, ids)
+    assert len(ordinary_calls) == before + 1
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(bits(captured), bits(eager))
