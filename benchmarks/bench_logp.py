@@ -612,6 +612,7 @@ def main() -> None:
         "copy_bandwidth_Bps": bandwidth,
         "command": " ".join(sys.argv),
         "fused_config": os.environ.get("RL_LOGP_FUSED_CONFIG", ""),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET", ""),
     })
     if "sweep" in args.suites:
         run_sweep(args, device, bandwidth, report)
