@@ -11,8 +11,9 @@ Patched, where the installed vLLM has them (probed, not assumed; 0.24.0 and 0.34
 - Model Runner V2, GPU worker: `vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs` (the Triton
   log-softmax behind `compute_topk_logprobs` / `compute_topk_scores`: sampled token, top-k, custom
   logprob token ids, prompt logprobs; ranks come from the logits and need no normaliser), and
-  `vllm.v1.worker.gpu.sample.gumbel.apply_temperature` (vLLM's Triton `logits / T`, replaced by torch's
-  IEEE division so the processed logits are the contract's `fp32(x) / T`; T in {0, 1} stays a no-op).
+  `vllm.v1.worker.gpu.sample.gumbel.apply_temperature` (vLLM's Triton `logits / T`, whose fp32 division is
+  approximate, replaced by rl-logp's one-launch IEEE division, `rl_logp.kernels.temperature`, so the
+  processed logits are the contract's `fp32(x) / T`; T in {0, 1} stays a no-op).
 - Model Runner V2, CPU worker (vLLM >= 0.3x): `vllm.v1.worker.cpu.logprob.compute_token_logprobs`.
 - Sampling (`sampling_mask=True`, the default): `vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p`
   (every caller: V1's `TopKTopPSampler`, its rejection sampler, the V2 GPU and CPU workers; it replaces
@@ -42,6 +43,7 @@ import torch
 
 import rl_logp
 from rl_logp.config import LogpConfig, resolve_config
+from rl_logp.engines import fused_runs_on
 from rl_logp.sampling_mask import mask_logits_
 
 from .patching import PatchSet
@@ -93,8 +95,17 @@ def make_compute_token_logprobs(config: LogpConfig):
 
 def apply_temperature_ieee(logits: torch.Tensor, expanded_idx_mapping: torch.Tensor, temperature: torch.Tensor) -> None:
     """Drop-in for V2 `apply_temperature(logits, expanded_idx_mapping, temperature)`, in place: the
-    contract's IEEE fp32 division; rows whose temperature is 0 (greedy) divide by 1 (x / 1 is x, as for
-    rows at T = 1), so they are left as they are."""
+    contract's IEEE fp32 division; rows whose temperature is 0 (greedy) or 1 are left as they are (x / 1 is
+    x). One launch of `rl_logp.kernels.temperature` where the fused kernels run on the logits' device and
+    the three tensors are laid out as vLLM passes them (fp32 logits, one device, contiguous rows and index), else
+    torch's division (the same bits)."""
+    if (fused_runs_on(logits.device) and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
+            and expanded_idx_mapping.device == logits.device and temperature.device == logits.device
+            and expanded_idx_mapping.is_contiguous() and temperature.is_contiguous()):
+        from rl_logp.kernels.temperature import divide_rows_
+
+        divide_rows_(logits, expanded_idx_mapping, temperature)
+        return
     t = temperature.index_select(0, expanded_idx_mapping).to(torch.float32)
     logits.div_(t.masked_fill_(t == 0.0, 1.0).unsqueeze(1))
 

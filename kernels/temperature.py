@@ -1,0 +1,43 @@
+"""Each row of fp32 logits divided in place by its temperature, looked up through an index (vLLM Model
+Runner V2's `apply_temperature(logits, expanded_idx_mapping, temperature)`), in one launch and with the
+IEEE quotient (`div_rn`) by which the contract defines z = fp32(x) / T: what torch's division of the same
+tensors gives, bit for bit. A row whose temperature is 0 (greedy) or 1 is left as it is (x / 1 is x), as
+vLLM's own kernel leaves it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import launch_options, on_device
+from .launcher import CachedLauncher
+
+BLOCK = 8192  # columns per program
+WARPS = 8
+
+
+@triton.jit
+def divide_rows_kernel(X, stride_x, ROW_INDEX, TEMPERATURE, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.load(TEMPERATURE + tl.load(ROW_INDEX + row)).to(tl.float32)
+    if t != 0.0 and t != 1.0:
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        ptrs = X + row * stride_x + cols
+        tl.store(ptrs, tl.math.div_rn(tl.load(ptrs, mask=mask), t), mask=mask)
+
+
+divide_launch = CachedLauncher(divide_rows_kernel)
+
+
+def divide_rows_(x: torch.Tensor, row_index: torch.Tensor, temperature: torch.Tensor) -> None:
+    """x [n, V] fp32 (last dimension contiguous) /= temperature[row_index] per row, in place; `row_index` [n]
+    (int32/int64), `temperature` [r] (any float dtype, read as fp32)."""
+    n, vocab = x.shape
+    if n == 0 or vocab == 0:
+        return
+    with on_device(x):
+        divide_launch((n, triton.cdiv(vocab, BLOCK)), (x, x.stride(0), row_index, temperature, vocab, BLOCK),
+                      launch_options(WARPS, False, 0))
