@@ -177,6 +177,8 @@ def logprobs(
     Differentiable with respect to `logits`.
     """
     opts = Options(backend, tp_group, vocab_start, vocab_size, config, chunk_bytes, fixed_point_bits, strict)
+    if _plannable(logits, opts):
+        return _shaped(_eager_output("logp", logits, labels, temperature, opts), logits.shape[:-1])
     stats, shape = _score(logits, labels, temperature, opts, entropy=False, inplace_backward=inplace_backward)
     return _shaped(stats.logp, shape)
 
@@ -267,34 +269,51 @@ def log_normalizer(
     return _shaped(stats.row_max, shape), _shaped(stats.log_sum, shape)
 
 
+def _plannable(logits: object, opts: Options) -> bool:
+    """An eager single-device call with nothing to differentiate: one output, whose signature may have a
+    plan (`rl_logp.rollout_calls`)."""
+    return (type(logits) is torch.Tensor and opts.tp_group is None and opts.vocab_start is None
+            and opts.vocab_size is None and not torch.compiler.is_compiling()
+            and not (logits.requires_grad and torch.is_grad_enabled()))
+
+
+def _eager_output(kind: str, logits, labels, temperature, opts: Options) -> torch.Tensor:
+    """The one output of a `_plannable` call: the logp of the labels ("logp"), of K columns per row
+    ("columns") or of every column ("full"). A signature seen before runs its plan (the output allocated
+    and one launch on the fused path); otherwise the request is built and scored, and the signature kept
+    where the engine can repeat the call."""
+    cfg = _config(opts)
+    key = rollout_calls.signature(logits, labels, temperature, cfg, kind)
+    if key is not None:
+        out = rollout_calls.run(key, logits, labels)
+        if out is not None:
+            return out
+    req = _request(logits, labels, temperature, opts, entropy=False, normalizer=False, inplace_backward=False,
+                   columns=kind == "columns", full=kind == "full")
+    if kind == "logp":
+        out = _request_stats(req, logits).logp
+    elif req.engine not in INVARIANT_ENGINES:
+        raise ValueError(f"rl_logp: this function needs an invariant backend (fused/chunked/auto), got {req.engine!r}")
+    else:
+        stats = make_engine(req.engine, req.chunk_bytes).row_stats(req)
+        out = stats.full if kind == "full" else stats.logp
+    if key is not None and req.engine in INVARIANT_ENGINES:
+        rollout_calls.remember(key, cfg, make_engine(req.engine, req.chunk_bytes), req, logits, labels, out)
+    return out
+
+
 def _rollout_scores(logits, columns, temperature, opts: Options, *, full: bool) -> torch.Tensor:
     """The logprobs of `columns` (or with `full` of every column): one forward of an invariant engine straight
-    from the engine (no op, no autograd), what a rollout engine asks at every decode step. On the fused path
-    one launch eagerly, after the first call of a signature without the set-up (`rl_logp.rollout_calls`);
-    captured in a CUDA graph, a few rows take the split plan's two or three launches (see
+    from the engine (no op, no autograd), what a rollout engine asks at every decode step (`_eager_output`).
+    Captured in a CUDA graph, a few rows take the split plan's two or three launches (see
     `rl_logp.kernels.launch`). Under torch.compile it runs eagerly (a graph break); eager calls skip the
     compiler's wrapper, which costs microseconds per call."""
     if torch.compiler.is_compiling():
         return _eager_rollout_scores(logits, columns, temperature, opts, full=full)
-    if logits.requires_grad and torch.is_grad_enabled():
+    if isinstance(logits, torch.Tensor) and logits.requires_grad and torch.is_grad_enabled():
         with torch.no_grad():
             return _rollout_scores(logits, columns, temperature, opts, full=full)
-    cfg = _config(opts)
-    key = rollout_calls.signature(logits, columns, temperature, cfg, full)
-    if key is not None:
-        out = rollout_calls.run(key, logits, columns)
-        if out is not None:
-            return out
-    req = _request(logits, columns, temperature, opts, entropy=False, normalizer=False, inplace_backward=False,
-                   columns=columns is not None, full=full)
-    if req.engine not in INVARIANT_ENGINES:
-        raise ValueError(f"rl_logp: this function needs an invariant backend (fused/chunked/auto), got {req.engine!r}")
-    engine = make_engine(req.engine, req.chunk_bytes)
-    stats = engine.row_stats(req)
-    out = stats.full if full else stats.logp
-    if key is not None:
-        rollout_calls.remember(key, cfg, engine, req, logits, columns, out)
-    return out
+    return _eager_output("full" if full else "columns", logits, columns, temperature, opts)
 
 
 _eager_rollout_scores = torch.compiler.disable(_rollout_scores)

@@ -51,20 +51,53 @@ def _ordinary(fn, *args, **kwargs) -> torch.Tensor:
         rollout_calls.signature = saved
 
 
+CALLS = {  # each function with a plan: (logits, ids [n, 5]) -> its arguments
+    "logprobs": (rl_logp.logprobs, lambda x, ids: (x, ids[:, 0].contiguous())),
+    "column_logprobs": (rl_logp.column_logprobs, lambda x, ids: (x, ids)),
+    "full_logprobs": (rl_logp.full_logprobs, lambda x, ids: (x,)),
+}
+
+
 @pytest.mark.parametrize("temperature", [None, 0.7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("device", DEVICES)
 def test_repeated_calls_take_the_plan_and_give_the_ordinary_bits(ordinary_calls, device, dtype, temperature):
     for seed in range(3):
         x, ids = _inputs(4, 5000, dtype, device, seed)
-        got = rl_logp.column_logprobs(x, ids, backend="fused", temperature=temperature)
-        full = rl_logp.full_logprobs(x, backend="fused", temperature=temperature)
-        assert torch.equal(bits(got), bits(_ordinary(rl_logp.column_logprobs, x, ids, backend="fused",
-                                                     temperature=temperature)))
-        assert torch.equal(bits(full), bits(_ordinary(rl_logp.full_logprobs, x, backend="fused",
-                                                      temperature=temperature)))
-    assert len(ordinary_calls) == 2 + 2 * 3  # the two first calls and the references
-    assert len(rollout_calls._plans) == 2
+        for fn, args in CALLS.values():
+            got = fn(*args(x, ids), backend="fused", temperature=temperature)
+            assert torch.equal(bits(got), bits(_ordinary(fn, *args(x, ids), backend="fused", temperature=temperature)))
+    assert len(ordinary_calls) == 3 + 3 * 3  # the first call of each function and the references
+    assert len(rollout_calls._plans) == 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_to_differentiate_take_the_autograd_path(ordinary_calls, device):
+    x, ids = _inputs(4, 3000, torch.float32, device, 0)
+    labels = ids[:, 0].contiguous()
+    with torch.no_grad():
+        rl_logp.logprobs(x.requires_grad_(), labels, backend="fused")
+    planned = rl_logp.logprobs(x.detach(), labels, backend="fused")
+    assert len(rollout_calls._plans) == 1 and not planned.requires_grad
+    logp = rl_logp.logprobs(x, labels, backend="fused")
+    logp.sum().backward()
+    assert logp.requires_grad and x.grad is not None and torch.equal(bits(logp.detach()), bits(planned))
+    assert len(ordinary_calls) == 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_options_outside_the_signature_take_the_ordinary_path(ordinary_calls, device):
+    """A vocab split without a group is an error, a baseline has no plan: after a plan, as before it."""
+    x, ids = _inputs(4, 3000, torch.float32, device, 0)
+    labels = ids[:, 0].contiguous()
+    for _ in range(2):
+        rl_logp.logprobs(x, labels, backend="fused")
+    with pytest.raises(ValueError, match="pass tp_group with them"):
+        rl_logp.logprobs(x, labels, backend="fused", vocab_start=0)
+    for _ in range(2):
+        baseline = rl_logp.logprobs(x, labels, backend="torch")
+    assert torch.allclose(baseline, rl_logp.logprobs(x, labels, backend="fused"), atol=1e-5)
+    assert len(rollout_calls._plans) == 1 and len(ordinary_calls) == 4
 
 
 @pytest.mark.parametrize("device", DEVICES)
