@@ -44,7 +44,7 @@ for stage in ${STAGES}; do
   case "${stage}" in
     tests)
       # shellcheck disable=SC2086
-      timeout "${TEST_TIMEOUT:-240}" python3 -P -m pytest -q ${TEST_FILES:-tests/test_fused_kernel.py tests/test_invariance.py tests/test_compile.py tests/test_tp_agreement.py tests/test_entropy.py tests/test_api_and_config.py tests/test_reference_accuracy.py} \
+      timeout "${TEST_TIMEOUT:-240}" python3 -P -m pytest -q ${TEST_FILES:-tests/test_fused_kernel.py tests/test_invariance.py tests/test_compile.py tests/test_tp_agreement.py tests/test_entropy.py tests/test_api_and_config.py tests/test_reference_accuracy.py tests/test_launcher.py tests/test_rollout_calls.py tests/test_temperature_kernel.py} \
         -k "${TEST_FILTER:-not cpu and not world}" -p no:cacheprovider -rA -v 2>&1 | quiet > "$OUT/gpu_tests.txt"
       grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/gpu_tests.txt" | tail -25 ;;
     sweep)
