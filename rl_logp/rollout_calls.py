@@ -9,8 +9,9 @@ of the set-up reads a tensor's values, so a call with a known signature passes e
 passed. A signature gets a plan when its first call ran one launch of the engine on the caller's own
 tensors (no reshape, cast or copy of them) that the engine can repeat (`LogpEngine.bind_scores`: on the
 fused engine a `kernels.launcher.BoundLaunch`). A plan allocates the output and launches; where the bound
-launch declines (a tensor of another alignment, another current device, a launch hook, a changed knob),
-the call takes the ordinary path. Calls with a tensor temperature, on the chunked engine or a baseline, or
+launch declines (a tensor of another alignment, another current device, a launch hook, a changed knob, the
+engine's launch parameters replaced), the plan is dropped and the call takes the ordinary path, which binds
+the signature anew. Calls with a tensor temperature, on the chunked engine or a baseline, or
 while the current stream is being captured in a CUDA graph (where the split plan runs and replay costs no
 host time) always take the ordinary path.
 """
@@ -60,16 +61,22 @@ def signature(logits: object, labels: object, temperature: object, config: LogpC
 
 
 def run(key: tuple, logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor | None:
-    """The output of the signature's plan, or None (no plan, or its launch declined)."""
+    """The output of the signature's plan, or None: no plan, or its launch declined (the plan is then
+    dropped, and the ordinary path that follows binds the signature anew)."""
     plan = _plans.get(key)
-    return None if plan is None else plan(logits, labels)
+    if plan is None:
+        return None
+    out = plan(logits, labels)
+    if out is None:
+        del _plans[key]
+    return out
 
 
 def remember(key: tuple, config: LogpConfig, engine: LogpEngine, req: LogpRequest, logits: torch.Tensor,
              labels: torch.Tensor | None, out: torch.Tensor) -> None:
     """Keep a plan for `key` after its call (`req`, which wrote `out`) ran, where the engine can repeat it
-    on the caller's own tensors and `key` has none yet (a call its plan declined keeps the plan)."""
-    if key in _plans or req.logits is not logits or req.labels is not labels or req.rows == 0:
+    on the caller's own tensors."""
+    if req.logits is not logits or req.labels is not labels or req.rows == 0:
         return
     bound = engine.bind_scores(req, out)
     if bound is None:

@@ -3,6 +3,7 @@ the bits of the ordinary path; any change of what the set-up reads takes the ord
 it); a bound launch that declines falls back; a plan keeps no tensor of a call alive. On the fused kernel
 under Triton's interpreter here, through the compiled kernel on a GPU."""
 
+import dataclasses
 import gc
 import weakref
 
@@ -12,7 +13,7 @@ from helpers import bits, model_like_logits, needs_cuda
 
 import rl_logp
 from rl_logp import api, rollout_calls
-from rl_logp.engines import fused_runs_on
+from rl_logp.engines import fused_runs_on, make_engine
 
 DEVICES = [pytest.param("cpu", id="fused-interpret-cpu",
                         marks=pytest.mark.skipif(not fused_runs_on(torch.device("cpu")),
@@ -142,7 +143,8 @@ def test_bad_input_after_a_plan_still_raises(ordinary_calls, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_declined_launch_falls_back_to_the_ordinary_path(ordinary_calls, device):
-    """The same signature with logits 4 bytes off a 16-byte boundary: the bound launch declines."""
+    """The same signature with logits 4 bytes off a 16-byte boundary: the bound launch declines, the plan is
+    bound anew to the call's alignment."""
     base = model_like_logits(1, 4 * 3000 + 1, torch.float32, device, seed=2)[0]
     aligned, shifted = base[:-1].view(4, 3000), base[1:].view(4, 3000)
     assert rollout_calls.signature(aligned, None, None, rl_logp.resolve_config(None), True) == \
@@ -150,7 +152,24 @@ def test_a_declined_launch_falls_back_to_the_ordinary_path(ordinary_calls, devic
     for x in (aligned, aligned, shifted, aligned, shifted):
         got = rl_logp.full_logprobs(x, backend="fused")
         assert torch.equal(bits(got), bits(_ordinary(rl_logp.full_logprobs, x, backend="fused")))
-    assert len(ordinary_calls) == 1 + 2 + 5  # the first call, the two shifted, the references
+    assert len(ordinary_calls) == 1 + 3 + 5  # the first call, the three after a change, the references
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_new_launch_parameters_take_the_ordinary_path(ordinary_calls, device):
+    """A plan declines once the engine's launch parameters are replaced; the call after binds them."""
+    engine = make_engine("fused", rl_logp.resolve_config(None).chunk_bytes)
+    x, ids = _inputs(4, 3000, torch.bfloat16, device, 0)
+    want = rl_logp.column_logprobs(x, ids, backend="fused")
+    saved = engine.config
+    engine.config = dataclasses.replace(saved, chunk=1024)
+    try:
+        for _ in range(2):
+            assert torch.equal(bits(rl_logp.column_logprobs(x, ids, backend="fused")), bits(want))
+    finally:
+        engine.config = saved
+    assert torch.equal(bits(rl_logp.column_logprobs(x, ids, backend="fused")), bits(want))
+    assert len(ordinary_calls) == 3 and len(rollout_calls._plans) == 1
 
 
 @pytest.mark.parametrize("device", DEVICES)

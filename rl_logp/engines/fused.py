@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -18,7 +19,6 @@ from rl_logp.engines.base import LogpEngine, RowStats
 from rl_logp.kernels import launch
 from rl_logp.kernels.fixed_point import TEMP_NONE, TEMP_ROWS, TEMP_SCALAR
 from rl_logp.kernels.launch import LaunchConfig
-from rl_logp.kernels.launcher import BoundLaunch
 from rl_logp.request import LogpRequest
 from rl_logp.temperature import Temperature
 
@@ -78,14 +78,19 @@ class FusedEngine(LogpEngine):
                          stats.log_sum, stats.lse, stats.logp, stats.entropy, self.config, stats.full)
         return stats
 
-    def bind_scores(self, req: LogpRequest, out: torch.Tensor) -> BoundLaunch | None:
+    def bind_scores(self, req: LogpRequest, out: torch.Tensor) -> Callable[[Sequence[torch.Tensor]], bool] | None:
         """The request's one launch as a `BoundLaunch` (see `launch.bind_row_stats`), for a request of one
-        output and a float temperature."""
+        output and a float temperature; it declines once `self.config` is another object than it was bound
+        with (a tuning run replacing the launch parameters)."""
         if req.entropy or req.normalizer or req.temperature.rows is not None:
             return None
         temp_mode, _, t_scalar = _temperature_args(req.temperature)
-        return launch.bind_row_stats(req.logits, req.labels, temp_mode, t_scalar, req.bits, None if req.full else out,
-                                     self.config, out if req.full else None)
+        config = self.config
+        bound = launch.bind_row_stats(req.logits, req.labels, temp_mode, t_scalar, req.bits, None if req.full else out,
+                                      config, out if req.full else None)
+        if bound is None:
+            return None
+        return lambda tensors: self.config is config and bound(tensors)
 
     def shard_max(self, req: LogpRequest) -> torch.Tensor:
         x = req.logits
