@@ -449,7 +449,7 @@ def stubbed_forward_launch():
 
 def run_overhead(args, device, report: Report) -> None:
     """Host time per call, the loop not waiting for the GPU: the pieces of a rollout-size `rl_logp.logprobs`
-    (8 rows, T=0.7), and the two calls vLLM's adapter makes at every decode step (`full_logprobs`,
+    (8 rows, T=0.7), and that call and the two vLLM's adapter makes at every decode step (`full_logprobs`,
     `column_logprobs` of 21 ids) with their plans and on the ordinary path, beside torch's expressions. On
     the CPU (the fused kernels under the interpreter) the rollout calls run with the launch stubbed out."""
     from rl_logp.engines import make_engine
@@ -473,6 +473,7 @@ def run_overhead(args, device, report: Report) -> None:
     fused = rl_logp.LogpConfig(backend="fused") if rl_logp.fused_runs_on(device) else cfg
     full = lambda: rl_logp.full_logprobs(x, config=fused)  # noqa: E731
     columns = lambda: rl_logp.column_logprobs(x, ids, config=fused)  # noqa: E731
+    logp = lambda: rl_logp.logprobs(x, labels, temperature=0.7, config=fused)  # noqa: E731
     pieces = {
         "rl_logp.logprobs (no grad)": (lambda: rl_logp.logprobs(x, labels, temperature=0.7), None),
         "resolve_config": (lambda: rl_logp.resolve_config(None), None),
@@ -488,6 +489,8 @@ def run_overhead(args, device, report: Report) -> None:
         "the kernel's launch alone (launcher.CachedLauncher)": (
             lambda: launch.row_stats_launch(grid, kernel_args, options), None),
         "torch log_softmax + gather": (lambda: torch.log_softmax(x.float() / 0.7, -1).gather(1, labels[:, None]), None),
+        f"rl_logp.logprobs (no grad, T=0.7), plan{stubbed}": (logp, contextlib.nullcontext),
+        f"rl_logp.logprobs (no grad, T=0.7), ordinary path{stubbed}": (logp, ordinary_path),
         f"rl_logp.full_logprobs, plan{stubbed}": (full, contextlib.nullcontext),
         f"rl_logp.full_logprobs, ordinary path{stubbed}": (full, ordinary_path),
         f"rl_logp.column_logprobs of 21 ids, plan{stubbed}": (columns, contextlib.nullcontext),
