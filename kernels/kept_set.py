@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
@@ -216,6 +217,31 @@ def row_words(split: int, cfg: KeptSetLaunch) -> int:
     return triton.cdiv(4 * split + split * cfg.buckets + cfg.big + 2, 32) * 32
 
 
+def _workspace_shape(z: torch.Tensor, split: int, cfg: KeptSetLaunch) -> tuple[int, ...]:
+    """The int32 allocation of a call: the fused plan's scratch rows, or the split plan's row workspaces."""
+    n = z.shape[0]
+    if split == 1:
+        return (n if INTERPRET or not z.is_cuda else max(1, min(n, _slots(z, cfg))), cfg.big)
+    return (n * row_words(split, cfg),)
+
+
+def _launches(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, bits: int,
+              threshold: torch.Tensor, workspace: torch.Tensor, write: bool, split: int,
+              cfg: KeptSetLaunch) -> list[tuple[CachedLauncher, tuple[int, ...], tuple]]:
+    """(launcher, grid, arguments) of each launch of a call, in order, over its `workspace`."""
+    n, vocab = z.shape
+    rate, q_scale = bucket_rate(bits, cfg.buckets), float(2.0**bits)
+    modes = (top_k is not None, top_p is not None, write, cfg.block, cfg.buckets, cfg.small, cfg.big, cfg.pivots)
+    if split == 1:
+        return [(fused_launch, (workspace.shape[0],),
+                 (z, z.stride(0), top_k, top_p, threshold, workspace, n, vocab, rate, q_scale, *modes))]
+    span = triton.cdiv(triton.cdiv(vocab, split), cfg.block) * cfg.block
+    sizes = (split, triton.next_power_of_2(split), row_words(split, cfg))
+    return [(range_launch, (n, split), (z, z.stride(0), top_k, top_p, threshold, workspace, vocab, span, rate, q_scale,
+                                        phase.value, *modes, *sizes))
+            for phase in (PHASE_MAX, PHASE_COUNT, PHASE_WRITE)]
+
+
 def kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, bits: int,
              threshold: torch.Tensor, *, write: bool, launch: KeptSetLaunch = KeptSetLaunch()) -> None:
     """Fill `threshold` (fp32 [n]) with each row's smallest kept value of the [n, V] fp32 `z` (last
@@ -224,28 +250,45 @@ def kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | 
     `top_k`: int32/int64 [n] or None; `top_p`: fp32 [n] or None (contiguous); `bits`: the fixed-point F
     (<= 62); `launch`: the launch parameters. One allocation and one launch (fused plan) or three (split).
     """
-    n, vocab = z.shape
     if top_k is None and top_p is None:
         threshold.fill_(float("-inf"))
         return
-    if n == 0:
+    if z.shape[0] == 0:
         return
-    cfg = launch
-    split = split_count(z, cfg)
-    rate, q_scale = bucket_rate(bits, cfg.buckets), float(2.0**bits)
-    modes = (top_k is not None, top_p is not None, write, cfg.block, cfg.buckets, cfg.small, cfg.big, cfg.pivots)
-    options = launch_options(cfg.warps, False, cfg.max_registers)  # exp not flushed, as the forward
+    split = split_count(z, launch)
+    options = launch_options(launch.warps, False, launch.max_registers)  # exp not flushed, as the forward
     with on_device(z):  # Triton launches on the current device's stream
-        if split == 1:
-            programs = n if INTERPRET or not z.is_cuda else max(1, min(n, _slots(z, cfg)))
-            scratch = torch.empty((programs, cfg.big), dtype=torch.int32, device=z.device)
-            fused_launch((programs,), (z, z.stride(0), top_k, top_p, threshold, scratch, n, vocab, rate, q_scale, *modes),
-                         options)
-            return
-        words = row_words(split, cfg)
-        workspace = torch.empty(n * words, dtype=torch.int32, device=z.device)
-        span = triton.cdiv(triton.cdiv(vocab, split), cfg.block) * cfg.block
-        sizes = (split, triton.next_power_of_2(split), words)
-        for phase in (PHASE_MAX, PHASE_COUNT, PHASE_WRITE):
-            range_launch((n, split), (z, z.stride(0), top_k, top_p, threshold, workspace, vocab, span, rate, q_scale,
-                                      phase.value, *modes, *sizes), options)
+        workspace = torch.empty(_workspace_shape(z, split, launch), dtype=torch.int32, device=z.device)
+        for launcher, grid, args in _launches(z, top_k, top_p, bits, threshold, workspace, write, split, launch):
+            launcher(grid, args, options)
+
+
+def bind_kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, bits: int,
+                  threshold: torch.Tensor, *, write: bool,
+                  launch: KeptSetLaunch = KeptSetLaunch()) -> Callable[[Sequence[torch.Tensor]], bool] | None:
+    """`kept_set` of these arguments, after it ran, as a call for new tensors of the same shapes (a rollout's
+    at every decode step): called with (z, top_k, top_p, threshold), the absent ones left out, it allocates
+    the workspace and launches through `BoundLaunch`es, returning True, or False where one declined (the
+    launches before it wrote only their own workspace: `z` and `threshold` are written by the last). None
+    where the call launches nothing or a launch cannot be bound."""
+    if (top_k is None and top_p is None) or z.shape[0] == 0:
+        return None
+    split = split_count(z, launch)
+    options = launch_options(launch.warps, False, launch.max_registers)
+    shape = _workspace_shape(z, split, launch)
+    workspace = torch.empty(shape, dtype=torch.int32, device=z.device)
+    given = [t for t in (z, top_k, top_p, threshold) if t is not None] + [workspace]
+    bound = []
+    with on_device(z):
+        for launcher, grid, args in _launches(z, top_k, top_p, bits, threshold, workspace, write, split, launch):
+            one = launcher.bind(grid, args, options, [next(i for i, a in enumerate(args) if a is t) for t in given])
+            if one is None:
+                return None
+            bound.append(one)
+    device = z.device
+
+    def run(tensors: Sequence[torch.Tensor]) -> bool:
+        scratch = torch.empty(shape, dtype=torch.int32, device=device)
+        return all(one((*tensors, scratch)) for one in bound)
+
+    return run

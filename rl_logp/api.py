@@ -279,13 +279,16 @@ def _plannable(logits: object, opts: Options) -> bool:
 
 def _eager_output(kind: str, logits, labels, temperature, opts: Options) -> torch.Tensor:
     """The one output of a `_plannable` call: the logp of the labels ("logp"), of K columns per row
-    ("columns") or of every column ("full"). A signature seen before runs its plan (the output allocated
-    and one launch on the fused path); otherwise the request is built and scored, and the signature kept
-    where the engine can repeat the call."""
+    ("columns") or of every column ("full"). A signature (the kind, the config object, a float temperature,
+    the logits and labels) seen before runs its plan (the output allocated and one launch on the fused path,
+    `rl_logp.rollout_calls`); otherwise the request is built and scored, and the signature kept where the
+    engine ran on the caller's own tensors (no reshape, cast or copy of them) and can repeat the call."""
     cfg = _config(opts)
-    key = rollout_calls.signature(logits, labels, temperature, cfg, kind)
+    key = None
+    if temperature is None or type(temperature) is float:
+        key = rollout_calls.signature((kind, id(cfg), temperature), logits, labels)
     if key is not None:
-        out = rollout_calls.run(key, logits, labels)
+        out = rollout_calls.run(key, (logits,) if labels is None else (logits, labels))
         if out is not None:
             return out
     req = _request(logits, labels, temperature, opts, entropy=False, normalizer=False, inplace_backward=False,
@@ -297,8 +300,9 @@ def _eager_output(kind: str, logits, labels, temperature, opts: Options) -> torc
     else:
         stats = make_engine(req.engine, req.chunk_bytes).row_stats(req)
         out = stats.full if kind == "full" else stats.logp
-    if key is not None and req.engine in INVARIANT_ENGINES:
-        rollout_calls.remember(key, cfg, make_engine(req.engine, req.chunk_bytes), req, logits, labels, out)
+    if (key is not None and req.engine in INVARIANT_ENGINES and req.rows and req.logits is logits
+            and req.labels is labels):  # the engine ran on the caller's own tensors: repeatable as it ran
+        rollout_calls.remember(key, cfg, make_engine(req.engine, req.chunk_bytes).bind_scores(req, out), out)
     return out
 
 

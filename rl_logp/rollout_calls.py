@@ -1,89 +1,88 @@
-"""Calls without repeated set-up: an eager single-device call with nothing to differentiate and one output
-(`logprobs` without autograd, and `column_logprobs` / `full_logprobs`, which vLLM's adapter calls at every
-decode step) keeps what the first call of a signature worked out for the calls after it.
+"""Calls without repeated set-up: a call made again and again with new tensors of the same shapes (what a
+rollout makes at every decode step) keeps what its first call worked out, as a plan, for the calls after it.
 
-A call's signature is all that its set-up reads: which output ("logp", "columns" or "full"), the resolved
-`LogpConfig` (the object: a plan keeps it alive, so no other config can take its id), the temperature (None
-or a float), and the exact type, shape, strides, dtype and device of the logits and of the labels. No check
-of the set-up reads a tensor's values, so a call with a known signature passes every check its first call
-passed. A signature gets a plan when its first call ran one launch of the engine on the caller's own
-tensors (no reshape, cast or copy of them) that the engine can repeat (`LogpEngine.bind_scores`: on the
-fused engine a `kernels.launcher.BoundLaunch`). A plan allocates the output and launches; where the bound
+Two kinds of call keep plans: the scores of an eager single-device call with nothing to differentiate
+(`logprobs` without autograd, `column_logprobs`, `full_logprobs`: `rl_logp.api`, bound by the engine,
+`LogpEngine.bind_scores`), and the top-k / top-p kept set on the GPU (`rl_logp.sampling_mask`, bound by
+`kernels.kept_set.bind_kept_set`). A call's signature is all that its set-up reads: the caller's settings
+(which call, the config, a float temperature...) and each tensor's exact type, shape, strides, dtype and
+device. No check of the set-up reads a tensor's values, so a call with a known signature passes every
+check its first call passed. A plan allocates the call's fp32 output and launches its kernels
+(`kernels.launcher.BoundLaunch`: the cached launch with only the tensors left to each call); where a bound
 launch declines (a tensor of another alignment, another current device, a launch hook, a changed knob, the
-engine's launch parameters replaced), the plan is dropped and the call takes the ordinary path, which binds
-the signature anew. Calls with a tensor temperature, on the chunked engine or a baseline, or
-while the current stream is being captured in a CUDA graph (where the split plan runs and replay costs no
-host time) always take the ordinary path.
+engine's launch parameters replaced) the plan is dropped and the call takes the ordinary path, which binds
+the signature anew. Calls made while the current stream is being captured in a CUDA graph (where replay
+costs no host time) have no signature and always take the ordinary path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from rl_logp.config import LogpConfig
-from rl_logp.engines import LogpEngine
-from rl_logp.request import LogpRequest
-
 MAX_PLANS = 4096  # signatures kept; all are dropped when a new one would exceed it
+
+Bound = Callable[[Sequence[torch.Tensor]], bool]  # (the call's tensors, its output) -> launched
 
 
 class Plan:
-    """A signature's call: an fp32 output of `shape` on `device`, written by `bound`."""
+    """A signature's call: an fp32 output of `shape` on `device`, written by `bound` (`keep`: an object the
+    signature names by id, kept alive so that no other object can take that id)."""
 
-    __slots__ = ("bound", "config", "device", "shape")
+    __slots__ = ("bound", "device", "keep", "shape")
 
-    def __init__(self, config: LogpConfig, bound: Callable[[Sequence[torch.Tensor]], bool], shape: torch.Size,
-                 device: torch.device) -> None:
-        self.config, self.bound, self.shape, self.device = config, bound, shape, device
+    def __init__(self, keep: Any, bound: Bound, shape: torch.Size, device: torch.device) -> None:
+        self.keep, self.bound, self.shape, self.device = keep, bound, shape, device
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor | None:
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         out = torch.empty(self.shape, dtype=torch.float32, device=self.device)
-        return out if self.bound((logits, out) if labels is None else (logits, labels, out)) else None
+        return out if self.bound((*tensors, out)) else None
 
 
 _plans: dict[tuple, Plan] = {}
 
 
-def signature(logits: object, labels: object, temperature: object, config: LogpConfig, kind: str) -> tuple | None:
-    """The call's signature, or None for a call that always takes the ordinary path."""
-    if type(logits) is not torch.Tensor or not (labels is None or type(labels) is torch.Tensor):
+def signature(settings: tuple, *tensors: object) -> tuple | None:
+    """The signature of a call: its `settings` (hashable) and each tensor's shape, strides, dtype and device
+    (None for an absent one). None, the ordinary path, where the first argument is not exactly a
+    torch.Tensor or its current CUDA stream is being captured, or another is neither None nor exactly a
+    torch.Tensor."""
+    first = tensors[0]
+    if type(first) is not torch.Tensor or (first.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
-    if not (temperature is None or type(temperature) is float):
-        return None
-    if logits.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    key = (kind, id(config), temperature, logits.shape, logits.stride(), logits.dtype, logits.device)
-    if labels is None:
-        return key
-    return (*key, labels.shape, labels.stride(), labels.dtype, labels.device)
+    key = list(settings)
+    for t in tensors:
+        if t is None:
+            key.append(None)
+        elif type(t) is torch.Tensor:
+            key += (t.shape, t.stride(), t.dtype, t.device)
+        else:
+            return None
+    return tuple(key)
 
 
-def run(key: tuple, logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor | None:
-    """The output of the signature's plan, or None: no plan, or its launch declined (the plan is then
-    dropped, and the ordinary path that follows binds the signature anew)."""
+def run(key: tuple, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The output of the signature's plan over `tensors` (those of the call that are not None), or None: no
+    plan, or its launch declined (the plan is then dropped, and the ordinary path that follows binds the
+    signature anew)."""
     plan = _plans.get(key)
     if plan is None:
         return None
-    out = plan(logits, labels)
+    out = plan(tensors)
     if out is None:
         del _plans[key]
     return out
 
 
-def remember(key: tuple, config: LogpConfig, engine: LogpEngine, req: LogpRequest, logits: torch.Tensor,
-             labels: torch.Tensor | None, out: torch.Tensor) -> None:
-    """Keep a plan for `key` after its call (`req`, which wrote `out`) ran, where the engine can repeat it
-    on the caller's own tensors."""
-    if req.logits is not logits or req.labels is not labels or req.rows == 0:
-        return
-    bound = engine.bind_scores(req, out)
+def remember(key: tuple, keep: Any, bound: Bound | None, out: torch.Tensor) -> None:
+    """Keep a plan for `key`, whose first call wrote `out`, where the call could be bound (`bound`)."""
     if bound is None:
         return
     if len(_plans) >= MAX_PLANS:
         _plans.clear()
-    _plans[key] = Plan(config, bound, out.shape, out.device)
+    _plans[key] = Plan(keep, bound, out.shape, out.device)
 
 
 def clear() -> None:

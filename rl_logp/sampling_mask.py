@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from rl_logp import rollout_calls
 from rl_logp.config import LogpConfig, resolve_config
 from rl_logp.contract import exp32
 from rl_logp.engines import fused_runs_on
@@ -113,12 +114,22 @@ def _uses_kernel(z: torch.Tensor) -> bool:
 
 def _kernel(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, bits: int, *,
             write: bool) -> torch.Tensor:
-    from rl_logp.kernels.kept_set import kept_set
+    """The kernel's thresholds (and with `write` z masked); a call whose signature was seen before (the
+    shapes, strides, dtypes and devices of z, k and p, the bits, `write`) runs its plan
+    (`rl_logp.rollout_calls`): the allocations and the launches without the set-up."""
+    from rl_logp.kernels.kept_set import bind_kept_set, kept_set
 
-    threshold = torch.empty(z.shape[0], dtype=torch.float32, device=z.device)
     k = None if top_k is None else top_k.contiguous()
     p = None if top_p is None else top_p.to(torch.float32).contiguous()
+    key = rollout_calls.signature(("kept_set", bits, write), z, k, p)
+    if key is not None:
+        threshold = rollout_calls.run(key, [t for t in (z, k, p) if t is not None])
+        if threshold is not None:
+            return threshold
+    threshold = torch.empty(z.shape[0], dtype=torch.float32, device=z.device)
     kept_set(z, k, p, bits, threshold, write=write)
+    if key is not None:
+        rollout_calls.remember(key, None, bind_kept_set(z, k, p, bits, threshold, write=write), threshold)
     return threshold
 
 

@@ -147,8 +147,7 @@ def test_a_declined_launch_falls_back_to_the_ordinary_path(ordinary_calls, devic
     bound anew to the call's alignment."""
     base = model_like_logits(1, 4 * 3000 + 1, torch.float32, device, seed=2)[0]
     aligned, shifted = base[:-1].view(4, 3000), base[1:].view(4, 3000)
-    assert rollout_calls.signature(aligned, None, None, rl_logp.resolve_config(None), True) == \
-        rollout_calls.signature(shifted, None, None, rl_logp.resolve_config(None), True)
+    assert rollout_calls.signature(("full",), aligned) == rollout_calls.signature(("full",), shifted)
     for x in (aligned, aligned, shifted, aligned, shifted):
         got = rl_logp.full_logprobs(x, backend="fused")
         assert torch.equal(bits(got), bits(_ordinary(rl_logp.full_logprobs, x, backend="fused")))

@@ -252,3 +252,66 @@ def test_automatic_split_is_a_power_of_two(monkeypatch):
     assert all(s & (s - 1) == 0 for s in splits.values())
     assert set(splits.values()) == {1, 4, 8, 16, 32}
     assert splits[1] == 32 and splits[64] == 4 and splits[65] == 1  # 38 tiles of 4096; past split_rows: fused
+
+
+def _special_parameters(vocab: int, device: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Six rows' top-k and top-p: the special values of `parameters`."""
+    k, p = parameters(10, vocab, device, gen)
+    return k[4:], p[4:]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("launch", [{"block": 64, "split_rows": 0}, {"block": 64, "split": 3}],
+                         ids=["fused", "split-3"])
+def test_bound_kept_set_gives_the_bits_of_kept_set(device, launch):
+    """`bind_kept_set` (what `rollout_calls` keeps for a decode step's top-k / top-p): the call repeated on
+    new logits and parameters gives `kept_set`'s mask and thresholds, in both launch plans and modes."""
+    from rl_logp.kernels.kept_set import KeptSetLaunch, bind_kept_set, kept_set
+
+    gen = torch.Generator().manual_seed(11)
+    cfg = KeptSetLaunch(**launch)
+    for write in (True, False):
+        for which in ("k", "p", "kp"):
+            first, (k, p) = rows("bf16-rounded", 6, 300, device, gen), _special_parameters(300, device, gen)
+            k, p = (k if "k" in which else None), (p if "p" in which else None)
+            threshold = torch.empty(6, device=device)
+            kept_set(first, k, p, 40, threshold, write=write, launch=cfg)
+            bound = bind_kept_set(first, k, p, 40, threshold, write=write, launch=cfg)
+            for kind in ("integers (many ties)", "continuous"):
+                z, (k2, p2) = rows(kind, 6, 300, device, gen), _special_parameters(300, device, gen)
+                k2, p2 = (k2 if k is not None else None), (p2 if p is not None else None)
+                got_z, got = z.clone(), torch.full((6,), 7.0, device=device)
+                assert bound([t for t in (got_z, k2, p2, got) if t is not None])
+                want_z, want = z.clone(), torch.empty(6, device=device)
+                kept_set(want_z, k2, p2, 40, want, write=write, launch=cfg)
+                assert mismatches(got, want) == 0 and mismatches(got_z, want_z) == 0
+                assert write or mismatches(got_z, z) == 0
+    assert bind_kept_set(first, None, None, 40, threshold, write=True, launch=cfg) is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kept_set_calls_keep_a_plan(device, monkeypatch):
+    """The kernel path of `rl_logp.sampling_mask` (CUDA, here called directly): the second call of a
+    signature runs its plan, another signature takes the ordinary path, both with `kept_set`'s bits."""
+    from rl_logp import rollout_calls, sampling_mask
+    from rl_logp.kernels import kept_set as module
+
+    rollout_calls.clear()
+    ordinary, kept_set = [], module.kept_set
+    monkeypatch.setattr(module, "kept_set", lambda *args, **kwargs: (ordinary.append(1), kept_set(*args, **kwargs)))
+    gen = torch.Generator().manual_seed(12)
+    try:
+        for batch in (4, 4, 2):
+            z = rows("continuous", batch + 4, 300, device, gen)[4:]
+            k, p = parameters(10, 300, device, gen)
+            k, p = k[:batch], p[:batch]
+            for write in (True, False):
+                got_z = z.clone()
+                got = sampling_mask._kernel(got_z, k, p, 40, write=write)
+                want_z, want = z.clone(), torch.empty(batch, device=device)
+                kept_set(want_z, k, p, 40, want, write=write)
+                assert mismatches(got, want) == 0 and mismatches(got_z, want_z) == 0
+        assert len(ordinary) == 4  # the first call of each signature: (4 rows, 2 rows) x write
+        assert len(rollout_calls._plans) == 4
+    finally:
+        rollout_calls.clear()
