@@ -20,7 +20,8 @@ Patched, where the installed vLLM has them (probed, not assumed; 0.24.0 and 0.34
   vLLM's Triton kernel and its sort-based PyTorch rule; on CUDA rl-logp's kept-set kernel,
   `rl_logp.kernels.kept_set`, masks in place) and `flashinfer_sample` (V1's `forward_cuda`
   and the V2 GPU worker sample with FlashInfer when no processed logprobs are asked for; the replacement
-  masks with the contract and draws with exponential noise, vLLM's own native method).
+  draws from the contract's kept set with exponential noise, vLLM's own native method in Gumbel-max form:
+  on CUDA the kept set's thresholds and one pass of `rl_logp.kernels.kept_sample`).
 
 Every logprob is `(z[j] - M) - L` with `(M, L) = rl_logp.log_normalizer(z)` (the contract: `M` the exact
 row max, `L` the log of the int64 fixed-point sum): the bits `rl_logp.logprobs` gives for label j.
@@ -44,7 +45,7 @@ import torch
 import rl_logp
 from rl_logp.config import LogpConfig, resolve_config
 from rl_logp.engines import fused_runs_on
-from rl_logp.sampling_mask import mask_logits_
+from rl_logp.sampling_mask import mask_logits_, sample_kept
 
 from .patching import PatchSet
 
@@ -145,15 +146,17 @@ def make_apply_top_k_top_p(config: LogpConfig):
 
 def make_flashinfer_sample(config: LogpConfig):
     """Drop-in for vLLM's `flashinfer_sample(logits, k, p, generators)`: sample from the contract's kept
-    set with exponential noise (vLLM's native `probs / q` argmax), leaving `logits` untouched."""
+    set with exponential noise drawn as vLLM's native sampler draws it (a request's own generator for its
+    row), the draw `argmax(probs / q)` taken in Gumbel-max form (`rl_logp.sampling_mask.sample_kept`: on
+    CUDA the kept set's thresholds and one pass over the logits and the noise), leaving `logits` untouched."""
 
     def flashinfer_sample(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None,
                           generators: dict[int, torch.Generator] | None = None) -> torch.Tensor:
-        probs = mask_logits_(logits.to(torch.float32, copy=True), k, p, config).softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+        z = logits if logits.dtype == torch.float32 else logits.to(torch.float32)
+        noise = torch.empty_like(z, memory_format=torch.contiguous_format).exponential_()
         for row, generator in (generators or {}).items():
             noise[row].exponential_(generator=generator)
-        return probs.div_(noise).argmax(dim=-1).view(-1)
+        return sample_kept(z, k, p, noise, config)
 
     return flashinfer_sample
 

@@ -98,6 +98,24 @@ def mask_logits_(
     return z.masked_fill_(z < threshold.unsqueeze(1), NEG_INF)
 
 
+def sample_kept(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, noise: torch.Tensor,
+                config: LogpConfig) -> torch.Tensor:
+    """One draw per row of the [n, V] fp32 `z` (already divided by T) from its kept set, given exponential
+    `noise` of z's shape: the kept column with the largest `z - log(noise)` (int64 [n]; the first on a tie),
+    vLLM's native `argmax(probs / noise)` in Gumbel-max form (the same ranking of the columns). `z` is left
+    as it is. On CUDA the thresholds and the draw are kernels (`rl_logp.kernels.kept_sample`: one pass),
+    elsewhere torch, with the same draw on the same device."""
+    if _uses_kernel(z) and noise.device == z.device and noise.stride(1) == 1:
+        from rl_logp.kernels.kept_sample import kept_sample
+
+        threshold = _kernel(z, top_k, top_p, config.fixed_point_bits, write=False)
+        out = torch.empty(z.shape[0], dtype=torch.int64, device=z.device)
+        kept_sample(z, noise, threshold, out)
+        return out
+    threshold = kept_thresholds(z, top_k, top_p, config.fixed_point_bits, config.chunk_bytes)
+    return torch.where(z >= threshold.unsqueeze(1), z - noise.log(), NEG_INF).argmax(dim=-1)
+
+
 def kept_thresholds(
     z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, bits: int, chunk_bytes: int
 ) -> torch.Tensor:

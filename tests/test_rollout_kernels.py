@@ -4,6 +4,7 @@ the same kept tokens, the same bits. On the CPU the kernels run under Triton's i
 numpy's, not torch's: these rows have no top-p cut that an ulp of exp moves (a fixed seed, so the result
 is the same on every run); on CUDA both sides use the same exp."""
 
+import numpy as np
 import pytest
 import torch
 from helpers import INTERPRET, mismatches, model_like_logits, needs_cuda
@@ -315,3 +316,48 @@ def test_kept_set_calls_keep_a_plan(device, monkeypatch):
         assert len(rollout_calls._plans) == 4
     finally:
         rollout_calls.clear()
+
+
+def _draw_reference(z: torch.Tensor, noise: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """The kept column with the largest z - log(q), the first on a tie; `log` as the kernel's: numpy's
+    under the interpreter, torch's (libdevice's) on CUDA."""
+    log_q = torch.from_numpy(np.log(noise.numpy())) if INTERPRET else noise.log()
+    return torch.where(z >= threshold.unsqueeze(1), z - log_q, NEG_INF).argmax(dim=-1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["integers (many ties)", "continuous"])
+def test_kept_sample_draws_the_largest_kept_key(device, kind):
+    """The draw kernel on the edge rows (part -inf, all -inf, NaN, +inf), rows with top-k / top-p and rows
+    left alone, more than one tile per row, and exact ties (noise of 1 everywhere in the second draw)."""
+    from rl_logp.kernels.kept_sample import BLOCK, kept_sample
+
+    gen = torch.Generator().manual_seed(13)
+    vocab = BLOCK + 904
+    z = rows(kind, 10, vocab, device, gen)
+    k, p = parameters(10, vocab, device, gen)
+    threshold = reference_thresholds(z, k, p, 40, 2**28)
+    for noise in (torch.empty(10, vocab).exponential_(generator=gen).to(device), torch.ones(10, vocab, device=device)):
+        got = torch.full((10,), -1, dtype=torch.int64, device=device)
+        kept_sample(z, noise, threshold, got)
+        assert torch.equal(got, _draw_reference(z, noise, threshold))
+        assert (z.gather(1, got.unsqueeze(1)).squeeze(1)[4:] >= threshold[4:]).all()  # drawn from the kept set
+
+
+@needs_cuda
+@pytest.mark.parametrize("batch", [1, 8, 256])
+def test_cuda_sample_kept_is_the_torch_draw(batch):
+    """`sample_kept` on CUDA (the kept-set thresholds and the draw kernel) draws what its torch form draws
+    on the same noise, at rollout size."""
+    from rl_logp.sampling_mask import sample_kept
+
+    z = model_like_logits(batch, 151936, torch.bfloat16, "cuda", seed=batch).float() / 0.7
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    k = torch.full((batch,), 50, dtype=torch.int32, device="cuda")
+    p = torch.full((batch,), 0.9, device="cuda")
+    noise = torch.empty_like(z).exponential_(generator=gen)
+    before = z.clone()
+    got = sample_kept(z, k, p, noise, LogpConfig())
+    assert torch.equal(z, before)
+    threshold = reference_thresholds(z, k, p, 40, 2**28)
+    assert torch.equal(got, _draw_reference(z, noise, threshold))

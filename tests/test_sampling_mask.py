@@ -203,3 +203,21 @@ def test_cuda_mask_has_no_host_sync_and_replays_in_a_cuda_graph():
     graph.replay()
     assert mismatches(eager, want) == 0 and mismatches(captured, want) == 0
     assert ((want != NEG_INF).sum(dim=1) < 151936).all()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_sample_kept_draws_from_the_softmax_of_the_kept_set(device):
+    """`sample_kept` (the patched FlashInfer sampler's draw): over 40000 rows of the same logits and fresh
+    noise, each kept token is drawn at its softmax probability among the kept ones (within 5 standard
+    errors) and no other token is drawn; on CUDA through the kept-set and draw kernels."""
+    from rl_logp.sampling_mask import sample_kept
+
+    rows = 40000
+    z = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0], device=device).expand(rows, 5).contiguous()
+    k = torch.full((rows,), 3, dtype=torch.int32, device=device)
+    gen = torch.Generator(device=device).manual_seed(3)
+    noise = torch.empty_like(z).exponential_(generator=gen)
+    frequency = torch.bincount(sample_kept(z, k, None, noise, LogpConfig()), minlength=5).double().cpu() / rows
+    want = torch.softmax(torch.tensor([2.0, 1.0, 0.5], dtype=torch.float64), 0)
+    assert frequency[3:].sum() == 0
+    assert ((frequency[:3] - want).abs() <= 5 * (want * (1 - want) / rows).sqrt()).all(), frequency
