@@ -72,7 +72,7 @@ def run(key: tuple, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         return None
     out = plan(tensors)
     if out is None:
-        del _plans[key]
+        _plans.pop(key, None)  # another thread may have dropped it already
     return out
 
 
