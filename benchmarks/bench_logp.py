@@ -417,19 +417,6 @@ def run_rollout(args, device, report: Report) -> None:
 
 
 @contextlib.contextmanager
-def ordinary_path():
-    """The rollout functions without their plans (`rl_logp.rollout_calls`): the set-up at every call."""
-    from rl_logp import rollout_calls
-
-    signature = rollout_calls.signature
-    rollout_calls.signature = lambda *args: None
-    try:
-        yield
-    finally:
-        rollout_calls.signature = signature
-
-
-@contextlib.contextmanager
 def stubbed_forward_launch():
     """The forward kernel's launch replaced by a no-op (the CPU: the interpreter's launch runs the kernel),
     so what is timed is the Python and torch work around it."""
@@ -452,6 +439,7 @@ def run_overhead(args, device, report: Report) -> None:
     (8 rows, T=0.7), and that call and the two vLLM's adapter makes at every decode step (`full_logprobs`,
     `column_logprobs` of 21 ids) with their plans and on the ordinary path, beside torch's expressions. On
     the CPU (the fused kernels under the interpreter) the rollout calls run with the launch stubbed out."""
+    from rl_logp import rollout_calls
     from rl_logp.engines import make_engine
     from rl_logp.engines.fused import _temperature_args
     from rl_logp.kernels import launch
@@ -490,11 +478,11 @@ def run_overhead(args, device, report: Report) -> None:
             lambda: launch.row_stats_launch(grid, kernel_args, options), None),
         "torch log_softmax + gather": (lambda: torch.log_softmax(x.float() / 0.7, -1).gather(1, labels[:, None]), None),
         f"rl_logp.logprobs (no grad, T=0.7), plan{stubbed}": (logp, contextlib.nullcontext),
-        f"rl_logp.logprobs (no grad, T=0.7), ordinary path{stubbed}": (logp, ordinary_path),
+        f"rl_logp.logprobs (no grad, T=0.7), ordinary path{stubbed}": (logp, rollout_calls.ordinary_path),
         f"rl_logp.full_logprobs, plan{stubbed}": (full, contextlib.nullcontext),
-        f"rl_logp.full_logprobs, ordinary path{stubbed}": (full, ordinary_path),
+        f"rl_logp.full_logprobs, ordinary path{stubbed}": (full, rollout_calls.ordinary_path),
         f"rl_logp.column_logprobs of 21 ids, plan{stubbed}": (columns, contextlib.nullcontext),
-        f"rl_logp.column_logprobs of 21 ids, ordinary path{stubbed}": (columns, ordinary_path),
+        f"rl_logp.column_logprobs of 21 ids, ordinary path{stubbed}": (columns, rollout_calls.ordinary_path),
         "torch log_softmax (V1 compute_logprobs)": (lambda: x.log_softmax(-1, dtype=torch.float32), None),
         "torch log_softmax + gather of 21 ids": (lambda: x.log_softmax(-1, dtype=torch.float32).gather(1, ids), None),
     }

@@ -293,16 +293,17 @@ def _eager_output(kind: str, logits, labels, temperature, opts: Options) -> torc
             return out
     req = _request(logits, labels, temperature, opts, entropy=False, normalizer=False, inplace_backward=False,
                    columns=kind == "columns", full=kind == "full")
+    engine = make_engine(req.engine, req.chunk_bytes) if req.engine in INVARIANT_ENGINES else None
     if kind == "logp":
         out = _request_stats(req, logits).logp
-    elif req.engine not in INVARIANT_ENGINES:
+    elif engine is None:
         raise ValueError(f"rl_logp: this function needs an invariant backend (fused/chunked/auto), got {req.engine!r}")
     else:
-        stats = make_engine(req.engine, req.chunk_bytes).row_stats(req)
+        stats = engine.row_stats(req)
         out = stats.full if kind == "full" else stats.logp
-    if (key is not None and req.engine in INVARIANT_ENGINES and req.rows and req.logits is logits
+    if (key is not None and engine is not None and req.rows and req.logits is logits
             and req.labels is labels):  # the engine ran on the caller's own tensors: repeatable as it ran
-        rollout_calls.remember(key, cfg, make_engine(req.engine, req.chunk_bytes).bind_scores(req, out), out)
+        rollout_calls.remember(key, cfg, engine.bind_scores(req, out), out)
     return out
 
 

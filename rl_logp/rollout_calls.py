@@ -17,7 +17,8 @@ costs no host time) have no signature and always take the ordinary path.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -88,3 +89,16 @@ def remember(key: tuple, keep: Any, bound: Bound | None, out: torch.Tensor) -> N
 def clear() -> None:
     """Drop every plan."""
     _plans.clear()
+
+
+@contextlib.contextmanager
+def ordinary_path() -> Iterator[None]:
+    """Every call in the block takes the ordinary path (no signature: no plan looked up or kept), for a
+    measurement or a check of a plan against what it replaces."""
+    global signature
+    kept = signature
+    signature = lambda *args: None  # noqa: E731
+    try:
+        yield
+    finally:
+        signature = kept

@@ -44,12 +44,8 @@ def _inputs(n, vocab, dtype, device, seed):
 
 def _ordinary(fn, *args, **kwargs) -> torch.Tensor:
     """The call on the ordinary path alone (no plan is looked up or kept)."""
-    saved = rollout_calls.signature
-    rollout_calls.signature = lambda *a: None
-    try:
+    with rollout_calls.ordinary_path():
         return fn(*args, **kwargs)
-    finally:
-        rollout_calls.signature = saved
 
 
 CALLS = {  # each function with a plan: (logits, ids [n, 5]) -> its arguments
