@@ -99,7 +99,8 @@ def apply_temperature_ieee(logits: torch.Tensor, expanded_idx_mapping: torch.Ten
     contract's IEEE fp32 division; rows whose temperature is 0 (greedy) or 1 are left as they are (x / 1 is
     x). One launch of `rl_logp.kernels.temperature` where the fused kernels run on the logits' device and
     the three tensors are laid out as vLLM passes them (fp32 logits, one device, contiguous rows and index), else
-    torch's division (the same bits)."""
+    torch's division (the same bits). An index outside the temperatures gives NaN rows on the kernel (torch's
+    index error elsewhere), never a temperature read from outside the tensor."""
     if (fused_runs_on(logits.device) and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
             and expanded_idx_mapping.device == logits.device and temperature.device == logits.device
             and expanded_idx_mapping.is_contiguous() and temperature.is_contiguous()):

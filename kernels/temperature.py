@@ -19,9 +19,11 @@ WARPS = 8
 
 
 @triton.jit
-def divide_rows_kernel(X, stride_x, ROW_INDEX, TEMPERATURE, n_cols, BLOCK: tl.constexpr):
+def divide_rows_kernel(X, stride_x, ROW_INDEX, TEMPERATURE, n_temperatures, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    t = tl.load(TEMPERATURE + tl.load(ROW_INDEX + row)).to(tl.float32)
+    index = tl.load(ROW_INDEX + row)
+    inside = (index >= 0) & (index < n_temperatures)
+    t = tl.load(TEMPERATURE + index, mask=inside, other=float("nan")).to(tl.float32)
     if t != 0.0 and t != 1.0:
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -34,10 +36,12 @@ divide_launch = CachedLauncher(divide_rows_kernel)
 
 def divide_rows_(x: torch.Tensor, row_index: torch.Tensor, temperature: torch.Tensor) -> None:
     """x [n, V] fp32 (last dimension contiguous) /= temperature[row_index] per row, in place; `row_index` [n]
-    (int32/int64), `temperature` [r] (any float dtype, read as fp32)."""
+    (int32/int64), `temperature` [r] (any float dtype, read as fp32). A row whose index is outside [0, r)
+    becomes NaN (no temperature is read from outside the tensor)."""
     n, vocab = x.shape
     if n == 0 or vocab == 0:
         return
     with on_device(x):
-        divide_launch((n, triton.cdiv(vocab, BLOCK)), (x, x.stride(0), row_index, temperature, vocab, BLOCK),
+        divide_launch((n, triton.cdiv(vocab, BLOCK)),
+                      (x, x.stride(0), row_index, temperature, temperature.shape[0], vocab, BLOCK),
                       launch_options(WARPS, False, 0))

@@ -40,6 +40,17 @@ def test_rows_divided_through_the_index_with_torch_bits(device, index_dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_an_index_outside_the_temperatures_gives_nan_rows(device):
+    from rl_logp.kernels.temperature import divide_rows_
+
+    x = model_like_logits(4, 300, torch.float32, device, seed=8)
+    want = x.clone()
+    divide_rows_(x, torch.tensor([0, 3, -1, 1], device=device), torch.tensor([0.5, 2.0, 4.0], device=device))
+    assert torch.isnan(x[[1, 2]]).all()
+    assert torch.equal(bits(x[[0, 3]]), bits(want[[0, 3]] / torch.tensor([[0.5], [2.0]], device=device)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_no_rows_or_columns_launch_nothing(device):
     from rl_logp.kernels.temperature import divide_rows_
 
