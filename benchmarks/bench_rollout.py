@@ -14,6 +14,10 @@ once per vLLM version. Paths (`--paths`):
   on fp32 logits divided by T = 0.7 (top-k 50 with top-p 0.9, top-k 50 alone, top-p 0.9 alone):
   unpatched vLLM's own rule (its Triton kernel from 8 rows on, a sort below) against the patched one
   (rl-logp's kept-set kernel on CUDA, `rl_logp.kernels.kept_set`).
+- `draw`: a token drawn from top-k / top-p logits (divided by T = 0.7, the same three settings), what V1's
+  `TopKTopPSampler` does when no processed logprobs are asked for: unpatched, vLLM's native rule
+  (`apply_top_k_top_p`, softmax, `random_sample`: its path without FlashInfer, which is not carried to the
+  device); patched, the adapter's `flashinfer_sample` (the kept-set kernel drawing in its last pass).
 For batch 1, 8, 64, 256, 1024 x 151936, bf16 and fp32 logits, T 1.0 and 0.7, each step is timed
 unpatched and patched: CUDA time (events), wall time (synchronised before and after) and host time
 (until the step returns, not synchronised after), medians of --reps, taken in --rounds rounds that
@@ -22,7 +26,8 @@ same check patched and unpatched; unpatched rows are the control: vLLM's own bit
 `first_column_equals_rl_logp`, the sampled token's logprob (column 0) against `rl_logp.logprobs` of the
 token ids the step returned, with the patch's backend; for `kept_set` rows `kept_set_equals_contract`,
 the masked logits against the pure-torch contract (`rl_logp.sampling_mask.reference_thresholds`), and,
-patched, `kernel_equals_contract`, the kernel called directly. At --check-batch on CUDA each step also
+patched, `kernel_equals_contract`, the kernel called directly; for `draw` rows `draw_in_kept_set`, every
+drawn token inside the contract's kept set. At --check-batch on CUDA each step also
 runs under `torch.cuda.set_sync_debug_mode` ("warn": synchronisations counted; "error": whether it
 raised) and is captured in a CUDA graph and replayed (the replay against the eager step and the check
 on the replay's outputs). The JSON (--out) is rewritten after every row, so a time limit loses nothing
@@ -70,8 +75,9 @@ from rl_logp.sampling_mask import NEG_INF, apply_top_k_top_p, reference_threshol
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling modules, also under `python -P`
 from bench_report import Report
 
-PATHS = ("v1_sampler", "v2_worker", "kept_set")
-CHECKS = ("first_column_equals_rl_logp", "kept_set_equals_contract", "kernel_equals_contract")
+PATHS = ("v1_sampler", "v2_worker", "kept_set", "draw")
+CHECKS = ("first_column_equals_rl_logp", "kept_set_equals_contract", "kernel_equals_contract", "draw_in_kept_set")
+LOGITS_PATHS = ("kept_set", "draw")  # paths given fp32 logits already divided by T
 Outputs = tuple[torch.Tensor, ...]  # (token ids [B, 1 + n], logprobs [B, 1 + n]) or (masked logits,)
 
 
@@ -88,8 +94,8 @@ class Setting:
     @property
     def name(self) -> str:
         mask = f" k{self.top_k or '-'}/p{self.top_p or '-'}" if self.top_k or self.top_p else ""
-        if self.path == "kept_set":
-            return f"kept_set fp32 T={self.temperature}{mask}"
+        if self.path in LOGITS_PATHS:
+            return f"{self.path} fp32 T={self.temperature}{mask}"
         mode = self.mode.split("_")[0]
         return f"{self.path} {mode} n={self.num_logprobs} {self.dtype} T={self.temperature}{mask}"
 
@@ -103,7 +109,7 @@ class Step:
         self.setting, self.backend, self.launch = setting, backend, launch
         gen = torch.Generator(device=device).manual_seed(batch)
         logits = torch.randn(batch, vocab, device=device, generator=gen) * 2.5 - 3
-        if setting.path == "kept_set":
+        if setting.path in LOGITS_PATHS:
             logits = logits.to(torch.bfloat16).float() / torch.tensor(setting.temperature, device=device)
         self.pristine = logits.to(getattr(torch, setting.dtype))
         self.logits = self.pristine.clone()
@@ -113,9 +119,10 @@ class Step:
         self.top_k = None if k is None else torch.full((batch,), k, dtype=torch.int32, device=device)
         self.top_p = None if p is None else torch.full((batch,), p, device=device)
         self.sampled = torch.randint(0, vocab, (batch,), device=device, generator=gen)
-        if setting.path != "kept_set" and setting.mode == "processed_logprobs" and (k or p):  # a drawable token
+        if setting.path not in LOGITS_PATHS and setting.mode == "processed_logprobs" and (k or p):  # drawable
             self.sampled = torch.multinomial(self.scored().softmax(dim=-1), 1, generator=gen).squeeze(1)
-        self.run = {"v1_sampler": self._v1, "v2_worker": self._v2, "kept_set": self._kept_set}[setting.path]()
+        self.run = {"v1_sampler": self._v1, "v2_worker": self._v2, "kept_set": self._kept_set,
+                    "draw": self._draw}[setting.path]()
 
     def reset(self) -> None:
         self.logits.copy_(self.pristine)
@@ -184,11 +191,23 @@ class Step:
 
         return run
 
+    def _draw(self) -> Callable[[], Outputs]:
+        """Built under the patch: the adapter's `flashinfer_sample`; else vLLM's draw without FlashInfer."""
+        topk_topp = importlib.import_module(adapter.V1_TOPK_TOPP)
+        if adapter.active_config() is not None:
+            return lambda: (topk_topp.flashinfer_sample(self.logits, self.top_k, self.top_p, {}),)
+
+        def native() -> Outputs:
+            probs = topk_topp.apply_top_k_top_p(self.logits, self.top_k, self.top_p).softmax(dim=-1, dtype=torch.float32)
+            return (topk_topp.random_sample(probs, {}),)
+
+        return native
+
     def scored(self) -> torch.Tensor:
         """The logits the trainer scores for this setting (the contract's kept set, with top-k / top-p)."""
         s = self.setting
         if s.top_k or s.top_p:
-            t = None if s.path == "kept_set" else s.temperature
+            t = None if s.path in LOGITS_PATHS else s.temperature
             return apply_top_k_top_p(self.pristine, temperature=t, top_k=self.top_k, top_p=self.top_p)
         return self.pristine
 
@@ -196,6 +215,9 @@ class Step:
         """The step's outputs against rl-logp's (see the module docstring)."""
         if self.setting.path == "kept_set":
             return {"kept_set_equals_contract": same_bits(outputs[0], self.contract_mask())}
+        if self.setting.path == "draw":
+            drawn = self.contract_mask().gather(1, outputs[0].reshape(-1, 1).to(torch.int64))
+            return {"draw_in_kept_set": bool((drawn != NEG_INF).all())}
         ids, logprobs = outputs
         return {"first_column_equals_rl_logp": first_column_matches(self, ids, logprobs)}
 
@@ -333,10 +355,12 @@ def graph_replay(step: Step) -> dict:
     step.reset()
     graph.replay()
     torch.cuda.synchronize()
+    checks = {f"replay_{k}": v for k, v in step.check(captured).items()}
+    if step.setting.path == "draw":  # a replay draws new noise: only its check applies
+        return {"capturable": True, **checks}
     columns = slice(1, None) if step.setting.path == "v1_sampler" else slice(None)  # V1 draws column 0 at random
     same = all(same_bits(a[:, columns], b[:, columns]) for a, b in zip(captured, eager, strict=True))
-    return {"capturable": True, "replay_same_bits_as_eager": same,
-            **{f"replay_{k}": v for k, v in step.check(captured).items()}}
+    return {"capturable": True, "replay_same_bits_as_eager": same, **checks}
 
 
 def kernel_matches_contract(step: Step) -> bool:
@@ -352,17 +376,16 @@ def kernel_matches_contract(step: Step) -> bool:
 def settings(paths: list[str], dtypes: list[str]) -> list[Setting]:
     found = [
         Setting(path, mode, n, dtype, t)
-        for path in paths if path != "kept_set"
+        for path in paths if path not in LOGITS_PATHS
         for mode in ("raw_logprobs", "processed_logprobs")
         for n in (0, 20)
         for dtype in dtypes
         for t in (1.0, 0.7)
     ]
     found += [Setting(path, "processed_logprobs", 0, "bfloat16", 0.7, top_k=50, top_p=0.9)
-              for path in paths if path != "kept_set"]
-    if "kept_set" in paths:
-        found += [Setting("kept_set", "processed_logprobs", 0, "float32", 0.7, top_k=k, top_p=p)
-                  for k, p in ((50, 0.9), (50, None), (None, 0.9))]
+              for path in paths if path not in LOGITS_PATHS]
+    found += [Setting(path, "processed_logprobs", 0, "float32", 0.7, top_k=k, top_p=p)
+              for path in paths if path in LOGITS_PATHS for k, p in ((50, 0.9), (50, None), (None, 0.9))]
     return found
 
 
@@ -370,7 +393,7 @@ def available_paths(requested: list[str]) -> tuple[list[str], dict[str, str]]:
     paths, missing = [], {}
     for path in requested:
         module = {"v1_sampler": adapter.V1_SAMPLER, "v2_worker": adapter.V2_GPU_LOGPROB,
-                  "kept_set": adapter.V1_TOPK_TOPP}[path]
+                  "kept_set": adapter.V1_TOPK_TOPP, "draw": adapter.V1_TOPK_TOPP}[path]
         if adapter.try_import(module) is None:
             missing[path] = f"vllm {vllm.__version__} has no {module}"
         else:

@@ -21,7 +21,7 @@ Patched, where the installed vLLM has them (probed, not assumed; 0.24.0 and 0.34
   `rl_logp.kernels.kept_set`, masks in place) and `flashinfer_sample` (V1's `forward_cuda`
   and the V2 GPU worker sample with FlashInfer when no processed logprobs are asked for; the replacement
   draws from the contract's kept set with exponential noise, vLLM's own native method in Gumbel-max form:
-  on CUDA the kept set's thresholds and one pass of `rl_logp.kernels.kept_sample`).
+  on CUDA `rl_logp.kernels.kept_set` draws in its last pass).
 
 Every logprob is `(z[j] - M) - L` with `(M, L) = rl_logp.log_normalizer(z)` (the contract: `M` the exact
 row max, `L` the log of the int64 fixed-point sum): the bits `rl_logp.logprobs` gives for label j.
@@ -149,7 +149,8 @@ def make_flashinfer_sample(config: LogpConfig):
     """Drop-in for vLLM's `flashinfer_sample(logits, k, p, generators)`: sample from the contract's kept
     set with exponential noise drawn as vLLM's native sampler draws it (a request's own generator for its
     row), the draw `argmax(probs / q)` taken in Gumbel-max form (`rl_logp.sampling_mask.sample_kept`: on
-    CUDA the kept set's thresholds and one pass over the logits and the noise), leaving `logits` untouched."""
+    CUDA the kept-set kernel, which draws in its last pass over the logits, reading the noise beside
+    them), leaving `logits` untouched."""
 
     def flashinfer_sample(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None,
                           generators: dict[int, torch.Generator] | None = None) -> torch.Tensor:

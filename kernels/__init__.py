@@ -7,8 +7,8 @@ logp / lse / entropy), whole rows per program; `row_stats_ranges`: its split pla
 column ranges on programs of their own); `arrival`: the split plans' arrival counting; `grad`: the
 backward kernel (the row-local gradient of logp and/or entropy); `launch`: their launches and launch
 parameters (`LaunchConfig`); `launcher`: Triton's launch with less host time per call; `kept_set`: the
-rollout's top-k/top-p kept set without a sort (its launches and `KeptSetLaunch`), `kept_set_select`: that
-kernel's per-row selection; `kept_sample`: a draw from each row's kept set given exponential noise;
+rollout's top-k/top-p kept set without a sort, and a draw from it given exponential noise (its launches and
+`KeptSetLaunch`), `kept_set_select`: that kernel's per-row selection and last pass;
 `temperature`: the rollout's per-row division by T through an index (vLLM V2).
 Importing this package never needs a GPU; importing its modules needs Triton.
 """

@@ -10,18 +10,22 @@ the same bits:
 - split (few rows, `KeptSetLaunch.split_rows`): three launches of `kept_set_range_kernel`, each on
   `split` programs per row, one per column range: (1) the range's max (and the row's arrival counter
   zeroed); (2) the range's bucket counts and exact mass given the row max; (3) the range written and its
-  smallest kept value. Each program of launches 2 and 3 counts its arrival on the row's counter with an
-  atomic add; the last of a row to finish launch 2 sums the ranges' counts and masses (integers:
-  order-free) and finds the row's c (`cut_value`, which compacts the bracketed keys of the whole row into
-  the row's scratch), the last to finish launch 3 reduces the ranges' smallest kept values to the row's
-  threshold. The atomics only count arrivals and every reduction is exact (max, min, integer sums), so
-  which program comes last changes no bit. Every workspace is a section of one int32 allocation, sized by
-  the shape (`row_words` per row). No program waits on another.
-A last pass writes -inf outside the set (`write`) and each row gets its smallest kept value (the
-threshold `z >= threshold` that `rl_logp.sampling_mask` masks with; -inf for a row left alone: max not
-finite, or k outside (0, V) with p >= 1 or NaN). No host synchronisation, no data-dependent allocation, no
-torch op after the launches: capturable in a CUDA graph. Launched without fp contraction and with
-libdevice's non-flushing exp, as the row-statistics kernel is.
+  smallest kept value (and with a draw its best key). Each program of launches 2 and 3 counts its arrival
+  on the row's counter with an atomic add; the last of a row to finish launch 2 sums the ranges' counts
+  and masses (integers: order-free) and finds the row's c (`cut_value`, which compacts the bracketed keys
+  of the whole row into the row's scratch), the last to finish launch 3 reduces the ranges' smallest kept
+  values to the row's threshold (and their best keys to the row's draw). The atomics only count arrivals
+  and every reduction is exact (max, min, integer sums), so which program comes last changes no bit.
+  Every workspace is a section of one int32 allocation, sized by the shape (`row_words` per row). No
+  program waits on another.
+A last pass (`finish_range`) writes -inf outside the set (`write`), gives each row its smallest kept value
+(the threshold `z >= threshold` that `rl_logp.sampling_mask` masks with; -inf for a row left alone: max
+not finite, or k outside (0, V) with p >= 1 or NaN) and, with a draw (`draw`: the patched FlashInfer
+sampler's), reads the row's exponential noise q beside z and keeps the kept column with the largest
+z - log q: one pass over z and q for the draw, spread over the split plan's programs at few rows. No host
+synchronisation, no data-dependent allocation, no torch op after the launches: capturable in a CUDA
+graph. Launched without fp contraction and with libdevice's non-flushing exp, as the row-statistics
+kernel is.
 """
 
 from __future__ import annotations
@@ -37,9 +41,11 @@ import triton.language as tl
 
 from .arrival import last_to_arrive, published
 from .fixed_point import INTERPRET, Named, max_all
-from .kept_set_select import cut_value, first_counts, range_max, write_cut
+from .kept_set_select import cut_value, finish_range, first_counts, range_max
 from .launch import INTERPRETER_SLOTS, launch_options, on_device, sm_count
 from .launcher import CachedLauncher
+
+Draw = tuple[torch.Tensor, torch.Tensor]  # (noise fp32 [n, V], tokens int64 [n]) of a draw from the kept set
 
 PHASE_MAX: tl.constexpr = Named(0)  # split launch 1: each range's max, the row's arrival counter zeroed
 PHASE_COUNT: tl.constexpr = Named(1)  # split launch 2: each range's counts and mass; the row's c by the last
@@ -88,9 +94,10 @@ def _is_active(row_max, k_on, p_on):
 
 
 @triton.jit
-def kept_set_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, SCRATCH, n_rows, vocab, rate, q_scale, HAS_K: tl.constexpr,
-                    HAS_P: tl.constexpr, WRITE: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
-                    SMALL_: tl.constexpr, BIG_: tl.constexpr, PIVOTS_: tl.constexpr):
+def kept_set_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, SCRATCH, NOISE, stride_noise, TOKENS, n_rows, vocab, rate,
+                    q_scale, HAS_K: tl.constexpr, HAS_P: tl.constexpr, WRITE: tl.constexpr, DRAW: tl.constexpr,
+                    BLOCK: tl.constexpr, NB: tl.constexpr, SMALL_: tl.constexpr, BIG_: tl.constexpr,
+                    PIVOTS_: tl.constexpr):
     """The fused plan: rows pid, pid + programs, ... end to end, each with the program's scratch row."""
     pid = tl.program_id(0)
     scratch = SCRATCH + pid.to(tl.int64) * BIG_
@@ -100,12 +107,20 @@ def kept_set_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, SCRATCH, n_rows, vocab, 
         k, p, k_on, p_on = _row_parameters(TOP_K, TOP_P, row, vocab, HAS_K, HAS_P)
         row_max = range_max(row_ptr, 0, vocab, BLOCK)
         threshold = tl.full([], float("-inf"), tl.float32)
+        token = tl.full([], 0, tl.int32)
         if _is_active(row_max, k_on, p_on):
             counts, total = first_counts(row_ptr, 0, vocab, row_max, k_on, rate, q_scale, HAS_P, BLOCK, NB)
             cut = cut_value(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, total, scratch, rate, q_scale, HAS_K,
                             HAS_P, BLOCK, NB, SMALL_, BIG_, PIVOTS_)
-            threshold = write_cut(row_ptr, 0, vocab, cut, WRITE, BLOCK)
-        tl.store(THRESHOLD + row, threshold)
+            threshold, _, token = finish_range(row_ptr, NOISE, row * stride_noise, 0, vocab, cut, WRITE, DRAW,
+                                               BLOCK)
+        elif DRAW:  # a row left alone draws from every column
+            _, _, token = finish_range(row_ptr, NOISE, row * stride_noise, 0, vocab, float("-inf"), False, DRAW,
+                                       BLOCK)
+        if THRESHOLD is not None:
+            tl.store(THRESHOLD + row, threshold)
+        if DRAW:
+            tl.store(TOKENS + row, token.to(tl.int64))
         row += tl.num_programs(0)
 
 
@@ -113,15 +128,17 @@ def kept_set_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, SCRATCH, n_rows, vocab, 
 def _row_workspace(WS, row, SPLIT: tl.constexpr, NB: tl.constexpr, BIG_: tl.constexpr, ROW_WORDS: tl.constexpr):
     """Typed pointers to the row's sections of the split plan's int32 workspace WS, ROW_WORDS (`row_words`)
     words a row: masses (int64 [SPLIT], first, so 8-byte aligned), counts (int32 [SPLIT, NB]), scratch
-    (int32 [BIG_]), maxes and smallest (fp32 [SPLIT] each), the cut (fp32), the arrival counter (int32)."""
-    tl.static_assert(ROW_WORDS >= 4 * SPLIT + SPLIT * NB + BIG_ + 2)
+    (int32 [BIG_]), maxes, smallest and the draw's best keys (fp32 [SPLIT] each), the cut (fp32), the
+    arrival counter and the draw's best columns (int32 [SPLIT])."""
+    tl.static_assert(ROW_WORDS >= 6 * SPLIT + SPLIT * NB + BIG_ + 2)
     masses = WS + row * ROW_WORDS
     counts = masses + 2 * SPLIT
     scratch = counts + SPLIT * NB
     maxes = (scratch + BIG_).to(tl.pointer_type(tl.float32), bitcast=True)
-    arrivals = (maxes + 2 * SPLIT + 1).to(tl.pointer_type(tl.int32), bitcast=True)
+    cut = maxes + 3 * SPLIT
+    arrivals = (cut + 1).to(tl.pointer_type(tl.int32), bitcast=True)
     return (masses.to(tl.pointer_type(tl.int64), bitcast=True), counts, scratch, maxes, maxes + SPLIT, maxes + 2 * SPLIT,
-            arrivals)
+            cut, arrivals, arrivals + 1)
 
 
 @triton.jit
@@ -139,17 +156,19 @@ def _split_cut(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, masses, scratc
 
 
 @triton.jit
-def kept_set_range_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, WS, vocab, span, rate, q_scale, PHASE: tl.constexpr,
-                          HAS_K: tl.constexpr, HAS_P: tl.constexpr, WRITE: tl.constexpr, BLOCK: tl.constexpr,
-                          NB: tl.constexpr, SMALL_: tl.constexpr, BIG_: tl.constexpr, PIVOTS_: tl.constexpr,
-                          SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, ROW_WORDS: tl.constexpr):
+def kept_set_range_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, WS, NOISE, stride_noise, TOKENS, vocab, span, rate,
+                          q_scale, PHASE: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, WRITE: tl.constexpr,
+                          DRAW: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SMALL_: tl.constexpr,
+                          BIG_: tl.constexpr, PIVOTS_: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr,
+                          ROW_WORDS: tl.constexpr):
     """Program (row, r) of the split plan on columns [r span, (r + 1) span) of the row, launch PHASE."""
     row = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1)
     row_ptr = Z + row * stride
     lo = r * span
     hi = tl.minimum(lo + span, vocab)
-    masses, counts, scratch, maxes, smallest, cuts, arrivals = _row_workspace(WS, row, SPLIT, NB, BIG_, ROW_WORDS)
+    masses, counts, scratch, maxes, smallest, bests, cuts, arrivals, best_cols = _row_workspace(WS, row, SPLIT, NB, BIG_,
+                                                                                           ROW_WORDS)
     s = tl.arange(0, SPLIT_PAD)
     if PHASE == PHASE_MAX:
         tl.store(maxes + r, range_max(row_ptr, lo, hi, BLOCK))
@@ -174,11 +193,26 @@ def kept_set_range_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, WS, vocab, span, r
     else:
         cut = tl.load(cuts)
         least = tl.full([], float("-inf"), tl.float32)
+        best = tl.full([], float("-inf"), tl.float32)
+        best_col = tl.full([], 0, tl.int32)
         if cut == cut:
-            least = write_cut(row_ptr, lo, hi, cut, WRITE, BLOCK)
+            least, best, best_col = finish_range(row_ptr, NOISE, row * stride_noise, lo, hi, cut, WRITE, DRAW,
+                                                     BLOCK)
+        elif DRAW:  # a row left alone draws from every column
+            _, best, best_col = finish_range(row_ptr, NOISE, row * stride_noise, lo, hi, float("-inf"), False,
+                                                 DRAW, BLOCK)
         tl.store(smallest + r, least)
+        if DRAW:
+            tl.store(bests + r, best)
+            tl.store(best_cols + r, best_col)
         if last_to_arrive(arrivals, 2 * SPLIT - 1):
-            tl.store(THRESHOLD + row, tl.min(published(smallest + s, s < SPLIT, float("inf"))))
+            if THRESHOLD is not None:
+                tl.store(THRESHOLD + row, tl.min(published(smallest + s, s < SPLIT, float("inf"))))
+            if DRAW:  # the ranges' best keys: the largest, the smallest column holding it (ranges are ordered)
+                keys = published(bests + s, s < SPLIT, float("-inf"))
+                top = tl.max(keys)
+                token = tl.min(tl.where((keys == top) & (s < SPLIT), published(best_cols + s, s < SPLIT, 0), vocab))
+                tl.store(TOKENS + row, token.to(tl.int64))
 
 
 fused_launch = CachedLauncher(kept_set_kernel)  # Triton's launch with less host time (`launcher`)
@@ -214,7 +248,7 @@ def split_count(z: torch.Tensor, cfg: KeptSetLaunch) -> int:
 def row_words(split: int, cfg: KeptSetLaunch) -> int:
     """int32 words of one row's workspace in the split plan (its sections: `_row_workspace`), rounded up to
     a multiple of 32 so that each row starts on a 128-byte line."""
-    return triton.cdiv(4 * split + split * cfg.buckets + cfg.big + 2, 32) * 32
+    return triton.cdiv(6 * split + split * cfg.buckets + cfg.big + 2, 32) * 32
 
 
 def _workspace_shape(z: torch.Tensor, split: int, cfg: KeptSetLaunch) -> tuple[int, ...]:
@@ -226,32 +260,41 @@ def _workspace_shape(z: torch.Tensor, split: int, cfg: KeptSetLaunch) -> tuple[i
 
 
 def _launches(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, bits: int,
-              threshold: torch.Tensor, workspace: torch.Tensor, write: bool, split: int,
+              threshold: torch.Tensor | None, workspace: torch.Tensor, write: bool, draw: Draw | None, split: int,
               cfg: KeptSetLaunch) -> list[tuple[CachedLauncher, tuple[int, ...], tuple]]:
     """(launcher, grid, arguments) of each launch of a call, in order, over its `workspace`."""
     n, vocab = z.shape
     rate, q_scale = bucket_rate(bits, cfg.buckets), float(2.0**bits)
-    modes = (top_k is not None, top_p is not None, write, cfg.block, cfg.buckets, cfg.small, cfg.big, cfg.pivots)
+    noise, tokens = draw if draw is not None else (None, None)
+    sampling = (noise, 0 if noise is None else noise.stride(0), tokens)
+    modes = (top_k is not None, top_p is not None, write, draw is not None, cfg.block, cfg.buckets, cfg.small, cfg.big,
+             cfg.pivots)
     if split == 1:
         return [(fused_launch, (workspace.shape[0],),
-                 (z, z.stride(0), top_k, top_p, threshold, workspace, n, vocab, rate, q_scale, *modes))]
+                 (z, z.stride(0), top_k, top_p, threshold, workspace, *sampling, n, vocab, rate, q_scale, *modes))]
     span = triton.cdiv(triton.cdiv(vocab, split), cfg.block) * cfg.block
     sizes = (split, triton.next_power_of_2(split), row_words(split, cfg))
-    return [(range_launch, (n, split), (z, z.stride(0), top_k, top_p, threshold, workspace, vocab, span, rate, q_scale,
-                                        phase.value, *modes, *sizes))
+    return [(range_launch, (n, split), (z, z.stride(0), top_k, top_p, threshold, workspace, *sampling, vocab, span, rate,
+                                        q_scale, phase.value, *modes, *sizes))
             for phase in (PHASE_MAX, PHASE_COUNT, PHASE_WRITE)]
 
 
 def kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, bits: int,
-             threshold: torch.Tensor, *, write: bool, launch: KeptSetLaunch = KeptSetLaunch()) -> None:
-    """Fill `threshold` (fp32 [n]) with each row's smallest kept value of the [n, V] fp32 `z` (last
-    dimension contiguous), and with `write` set z to -inf outside the kept set, in place.
+             threshold: torch.Tensor | None, *, write: bool, draw: Draw | None = None,
+             launch: KeptSetLaunch = KeptSetLaunch()) -> None:
+    """Fill `threshold` (fp32 [n], or None) with each row's smallest kept value of the [n, V] fp32 `z` (last
+    dimension contiguous), with `write` set z to -inf outside the kept set, in place, and with
+    `draw = (noise, tokens)` write into `tokens` (int64 [n]) each row's draw from its kept set given its
+    exponential `noise` (fp32 [n, V], last dimension contiguous): the kept column with the largest
+    z - log(noise), the first on a tie (column 0 where no key is finite), in the same last pass.
 
     `top_k`: int32/int64 [n] or None; `top_p`: fp32 [n] or None (contiguous); `bits`: the fixed-point F
-    (<= 62); `launch`: the launch parameters. One allocation and one launch (fused plan) or three (split).
+    (<= 62); `launch`: the launch parameters. One allocation and one launch (fused plan) or three (split);
+    none where there is neither a top-k, a top-p nor a draw.
     """
-    if top_k is None and top_p is None:
-        threshold.fill_(float("-inf"))
+    if top_k is None and top_p is None and draw is None:
+        if threshold is not None:
+            threshold.fill_(float("-inf"))
         return
     if z.shape[0] == 0:
         return
@@ -259,28 +302,29 @@ def kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | 
     options = launch_options(launch.warps, False, launch.max_registers)  # exp not flushed, as the forward
     with on_device(z):  # Triton launches on the current device's stream
         workspace = torch.empty(_workspace_shape(z, split, launch), dtype=torch.int32, device=z.device)
-        for launcher, grid, args in _launches(z, top_k, top_p, bits, threshold, workspace, write, split, launch):
+        for launcher, grid, args in _launches(z, top_k, top_p, bits, threshold, workspace, write, draw, split, launch):
             launcher(grid, args, options)
 
 
 def bind_kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, bits: int,
-                  threshold: torch.Tensor, *, write: bool,
+                  threshold: torch.Tensor | None, *, write: bool, draw: Draw | None = None,
                   launch: KeptSetLaunch = KeptSetLaunch()) -> Callable[[Sequence[torch.Tensor]], bool] | None:
     """`kept_set` of these arguments, after it ran, as a call for new tensors of the same shapes (a rollout's
-    at every decode step): called with (z, top_k, top_p, threshold), the absent ones left out, it allocates
-    the workspace and launches through `BoundLaunch`es, returning True, or False where one declined (the
-    launches before it wrote only their own workspace: `z` and `threshold` are written by the last). None
-    where the call launches nothing or a launch cannot be bound."""
-    if (top_k is None and top_p is None) or z.shape[0] == 0:
+    at every decode step): called with (z, top_k, top_p, threshold) or, drawing, (z, top_k, top_p, noise,
+    tokens), the absent ones left out, it allocates the workspace and launches through `BoundLaunch`es,
+    returning True, or False where one declined (the launches before it wrote only their own workspace: `z`,
+    `threshold` and `tokens` are written by the last). None where the call launches nothing or a launch
+    cannot be bound."""
+    if (top_k is None and top_p is None and draw is None) or z.shape[0] == 0:
         return None
     split = split_count(z, launch)
     options = launch_options(launch.warps, False, launch.max_registers)
     shape = _workspace_shape(z, split, launch)
     workspace = torch.empty(shape, dtype=torch.int32, device=z.device)
-    given = [t for t in (z, top_k, top_p, threshold) if t is not None] + [workspace]
+    given = [t for t in (z, top_k, top_p, threshold, *(draw or ())) if t is not None] + [workspace]
     bound = []
     with on_device(z):
-        for launcher, grid, args in _launches(z, top_k, top_p, bits, threshold, workspace, write, split, launch):
+        for launcher, grid, args in _launches(z, top_k, top_p, bits, threshold, workspace, write, draw, split, launch):
             one = launcher.bind(grid, args, options, [next(i for i, a in enumerate(args) if a is t) for t in given])
             if one is None:
                 return None

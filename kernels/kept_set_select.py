@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fixed_point import Named, exact_exp, max_all, max_nan
+from .fixed_point import Named, exact_exp, exact_log, max_all, max_nan
 
 KEY_NEG_INF: tl.constexpr = Named(-2139095041)  # the key of -inf (0xFF800000 ^ 0x7FFFFFFF)
 KEY_NONE: tl.constexpr = Named(-2147483648)  # below every key of a non-NaN value: scratch padding
@@ -316,9 +316,16 @@ def cut_value(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, total, scratch,
 
 
 @triton.jit
-def write_cut(row_ptr, lo, hi, cut, WRITE: tl.constexpr, BLOCK: tl.constexpr):
-    """The smallest kept value of columns [lo, hi) (+inf if none), and (WRITE) -inf written outside {z >= cut}."""
+def finish_range(row_ptr, NOISE, noise_start, lo, hi, cut, WRITE: tl.constexpr, DRAW: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """The last pass over columns [lo, hi) of a row whose kept set is {z >= cut}: (the smallest kept value,
+    +inf if none; with DRAW the largest key z - log(q) of a kept column, q the row's exponential noise from
+    `NOISE + noise_start`, and the first column holding it, (-inf, 0) if none is finite), and with WRITE -inf written
+    outside the set. The draw is vLLM's native argmax(probs / q) in Gumbel-max form; `log` is the
+    contract's `exact_log` (torch's CUDA `log`)."""
     smallest = tl.full([], float("inf"), tl.float32)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_col = tl.full([], 0, tl.int32)
     for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < hi
@@ -327,4 +334,11 @@ def write_cut(row_ptr, lo, hi, cut, WRITE: tl.constexpr, BLOCK: tl.constexpr):
         smallest = tl.minimum(smallest, tl.min(tl.where(keep & inside, z, float("inf"))))
         if WRITE:
             tl.store(row_ptr + cols, tl.full([BLOCK], float("-inf"), tl.float32), mask=inside & ~keep)
-    return smallest
+        if DRAW:
+            q = tl.load(NOISE + noise_start + cols, mask=inside, other=1.0)
+            key = tl.where(keep, z - exact_log(q), float("-inf"))
+            top = tl.max(key)
+            if top > best:  # strict: an earlier tile keeps a tie
+                best = top
+                best_col = tl.min(tl.where(key == top, cols, hi))
+    return smallest, best, best_col

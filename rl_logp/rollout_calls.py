@@ -7,7 +7,7 @@ Two kinds of call keep plans: the scores of an eager single-device call with not
 `kernels.kept_set.bind_kept_set`). A call's signature is all that its set-up reads: the caller's settings
 (which call, the config, a float temperature...) and each tensor's exact type, shape, strides, dtype and
 device. No check of the set-up reads a tensor's values, so a call with a known signature passes every
-check its first call passed. A plan allocates the call's fp32 output and launches its kernels
+check its first call passed. A plan allocates the call's output and launches its kernels
 (`kernels.launcher.BoundLaunch`: the cached launch with only the tensors left to each call); where a bound
 launch declines (a tensor of another alignment, another current device, a launch hook, a changed knob, the
 engine's launch parameters replaced) the plan is dropped and the call takes the ordinary path, which binds
@@ -29,16 +29,16 @@ Bound = Callable[[Sequence[torch.Tensor]], bool]  # (the call's tensors, its out
 
 
 class Plan:
-    """A signature's call: an fp32 output of `shape` on `device`, written by `bound` (`keep`: an object the
-    signature names by id, kept alive so that no other object can take that id)."""
+    """A signature's call: an output like its first call's (`shape`, `dtype`, `device`), written by `bound`
+    (`keep`: an object the signature names by id, kept alive so that no other object can take that id)."""
 
-    __slots__ = ("bound", "device", "keep", "shape")
+    __slots__ = ("bound", "device", "dtype", "keep", "shape")
 
-    def __init__(self, keep: Any, bound: Bound, shape: torch.Size, device: torch.device) -> None:
-        self.keep, self.bound, self.shape, self.device = keep, bound, shape, device
+    def __init__(self, keep: Any, bound: Bound, out: torch.Tensor) -> None:
+        self.keep, self.bound, self.shape, self.dtype, self.device = keep, bound, out.shape, out.dtype, out.device
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-        out = torch.empty(self.shape, dtype=torch.float32, device=self.device)
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         return out if self.bound((*tensors, out)) else None
 
 
@@ -83,7 +83,7 @@ def remember(key: tuple, keep: Any, bound: Bound | None, out: torch.Tensor) -> N
         return
     if len(_plans) >= MAX_PLANS:
         _plans.clear()
-    _plans[key] = Plan(keep, bound, out.shape, out.device)
+    _plans[key] = Plan(keep, bound, out)
 
 
 def clear() -> None:

@@ -103,15 +103,10 @@ def sample_kept(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
     """One draw per row of the [n, V] fp32 `z` (already divided by T) from its kept set, given exponential
     `noise` of z's shape: the kept column with the largest `z - log(noise)` (int64 [n]; the first on a tie),
     vLLM's native `argmax(probs / noise)` in Gumbel-max form (the same ranking of the columns). `z` is left
-    as it is. On CUDA the thresholds and the draw are kernels (`rl_logp.kernels.kept_sample`: one pass),
+    as it is. On CUDA the kept-set kernel draws in its last pass (`rl_logp.kernels.kept_set` with a draw),
     elsewhere torch, with the same draw on the same device."""
-    if _uses_kernel(z) and noise.device == z.device and noise.stride(1) == 1:
-        from rl_logp.kernels.kept_sample import kept_sample
-
-        threshold = _kernel(z, top_k, top_p, config.fixed_point_bits, write=False)
-        out = torch.empty(z.shape[0], dtype=torch.int64, device=z.device)
-        kept_sample(z, noise, threshold, out)
-        return out
+    if _uses_kernel(z) and noise.device == z.device and noise.dtype == torch.float32 and noise.stride(1) == 1:
+        return _kernel(z, top_k, top_p, config.fixed_point_bits, write=False, noise=noise)
     threshold = kept_thresholds(z, top_k, top_p, config.fixed_point_bits, config.chunk_bytes)
     return torch.where(z >= threshold.unsqueeze(1), z - noise.log(), NEG_INF).argmax(dim=-1)
 
@@ -131,24 +126,31 @@ def _uses_kernel(z: torch.Tensor) -> bool:
 
 
 def _kernel(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, bits: int, *,
-            write: bool) -> torch.Tensor:
-    """The kernel's thresholds (and with `write` z masked); a call whose signature was seen before (the
-    shapes, strides, dtypes and devices of z, k and p, the bits, `write`) runs its plan
-    (`rl_logp.rollout_calls`): the allocations and the launches without the set-up."""
+            write: bool, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's thresholds (and with `write` z masked), or given `noise` its draws (int64 [n]); a call
+    whose signature was seen before (the shapes, strides, dtypes and devices of z, k, p and the noise, the
+    bits, `write`) runs its plan (`rl_logp.rollout_calls`): the allocations and the launches without the
+    set-up."""
     from rl_logp.kernels.kept_set import bind_kept_set, kept_set
 
     k = None if top_k is None else top_k.contiguous()
     p = None if top_p is None else top_p.to(torch.float32).contiguous()
-    key = rollout_calls.signature(("kept_set", bits, write), z, k, p)
+    key = rollout_calls.signature(("kept_set", bits, write), z, k, p, noise)
     if key is not None:
-        threshold = rollout_calls.run(key, [t for t in (z, k, p) if t is not None])
-        if threshold is not None:
-            return threshold
-    threshold = torch.empty(z.shape[0], dtype=torch.float32, device=z.device)
-    kept_set(z, k, p, bits, threshold, write=write)
+        out = rollout_calls.run(key, [t for t in (z, k, p, noise) if t is not None])
+        if out is not None:
+            return out
+    n = z.shape[0]
+    if noise is None:
+        threshold = out = torch.empty(n, dtype=torch.float32, device=z.device)
+        draw = None
+    else:
+        threshold, out = None, torch.empty(n, dtype=torch.int64, device=z.device)
+        draw = (noise, out)
+    kept_set(z, k, p, bits, threshold, write=write, draw=draw)
     if key is not None:
-        rollout_calls.remember(key, None, bind_kept_set(z, k, p, bits, threshold, write=write), threshold)
-    return threshold
+        rollout_calls.remember(key, None, bind_kept_set(z, k, p, bits, threshold, write=write, draw=draw), out)
+    return out
 
 
 def reference_thresholds(

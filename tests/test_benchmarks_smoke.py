@@ -18,8 +18,8 @@ def _smoke(script: str, out: Path) -> tuple[dict, str]:
 
 
 def test_bench_rollout_smoke(tmp_path):
-    """Every path runs patched and unpatched, V1 and V2 with n = 0 and 20 top logprobs; every patched row's
-    outputs pass the benchmark's check (scored with the fused kernels under Triton's interpreter, the
+    """Every path runs patched and unpatched, V1 and V2 with n = 0 and 20 top logprobs, the kept set and the
+    draw with top-k and top-p each alone and both; every patched row's outputs pass the benchmark's check (scored with the fused kernels under Triton's interpreter, the
     path that reported V2 n > 0 wrong when the check passed vLLM's strided token column), and the
     unpatched rows are the control: vLLM's own bits fail the same check on some rows."""
     report, stdout = _smoke("bench_rollout.py", tmp_path / "rollout.json")
@@ -33,13 +33,14 @@ def test_bench_rollout_smoke(tmp_path):
     for path in ("v1_sampler", "v2_worker"):
         assert {r["num_logprobs"] for r in rows if r["path"] == path} == {0, 20}
         assert any(r["path"] == path and r["top_k"] == 50 for r in rows)
-    assert {(r["top_k"], r["top_p"]) for r in rows if r["path"] == "kept_set"} == {(50, 0.9), (50, None), (None, 0.9)}
+    for path in ("kept_set", "draw"):
+        assert {(r["top_k"], r["top_p"]) for r in rows if r["path"] == path} == {(50, 0.9), (50, None), (None, 0.9)}
     patched = [r for r in rows if r["patched"]]
+    checks = {"kept_set": "kept_set_equals_contract", "draw": "draw_in_kept_set"}
     for r in patched:
-        check = "kept_set_equals_contract" if r["path"] == "kept_set" else "first_column_equals_rl_logp"
-        assert r[check] is True, r
+        assert r[checks.get(r["path"], "first_column_equals_rl_logp")] is True, r
         assert r["path"] != "kept_set" or r["kernel_equals_contract"] is True, r
-    control = [r for r in rows if not r["patched"] and r["path"] != "kept_set"]
+    control = [r for r in rows if not r["patched"] and r["path"] not in checks]
     assert any(not r["first_column_equals_rl_logp"] for r in control if r["path"] == "v1_sampler")
     assert any(not r["first_column_equals_rl_logp"] for r in control if r["path"] == "v2_worker")
     assert f"patched rows whose outputs are rl-logp's: {len(patched)}/{len(patched)}" in stdout

@@ -312,8 +312,13 @@ def test_kept_set_calls_keep_a_plan(device, monkeypatch):
                 want_z, want = z.clone(), torch.empty(batch, device=device)
                 kept_set(want_z, k, p, 40, want, write=write)
                 assert mismatches(got, want) == 0 and mismatches(got_z, want_z) == 0
-        assert len(ordinary) == 4  # the first call of each signature: (4 rows, 2 rows) x write
-        assert len(rollout_calls._plans) == 4
+            noise = torch.empty(batch, 300).exponential_(generator=gen).to(device)
+            got = sampling_mask._kernel(z, k, p, 40, write=False, noise=noise)
+            want = torch.empty(batch, dtype=torch.int64, device=device)
+            kept_set(z, k, p, 40, None, write=False, draw=(noise, want))
+            assert got.dtype == torch.int64 and torch.equal(got, want)
+        assert len(ordinary) == 6  # the first call of each signature: (4 rows, 2 rows) x (write, not, draw)
+        assert len(rollout_calls._plans) == 6
     finally:
         rollout_calls.clear()
 
@@ -326,28 +331,68 @@ def _draw_reference(z: torch.Tensor, noise: torch.Tensor, threshold: torch.Tenso
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["integers (many ties)", "continuous"])
-def test_kept_sample_draws_the_largest_kept_key(device, kind):
-    """The draw kernel on the edge rows (part -inf, all -inf, NaN, +inf), rows with top-k / top-p and rows
-    left alone, more than one tile per row, and exact ties (noise of 1 everywhere in the second draw)."""
-    from rl_logp.kernels.kept_sample import BLOCK, kept_sample
+@pytest.mark.parametrize("launch", [{"block": 64, "split_rows": 0}, {"block": 64, "split": 3}],
+                         ids=["fused", "split-3"])
+def test_kept_set_draws_the_largest_kept_key(device, launch):
+    """The kept set's draw (`draw=(noise, tokens)`, the patched FlashInfer sampler's) in both launch plans:
+    the edge rows (part -inf, all -inf, NaN, +inf), rows with top-k / top-p and rows left alone, two tiles
+    per range, exact ties (noise of 1 everywhere), k and p each alone and neither; the thresholds and z as
+    `kept_set` without a draw gives them, and the same draw without a threshold asked for."""
+    from rl_logp.kernels.kept_set import KeptSetLaunch, kept_set
 
     gen = torch.Generator().manual_seed(13)
-    vocab = BLOCK + 904
-    z = rows(kind, 10, vocab, device, gen)
-    k, p = parameters(10, vocab, device, gen)
-    threshold = reference_thresholds(z, k, p, 40, 2**28)
-    for noise in (torch.empty(10, vocab).exponential_(generator=gen).to(device), torch.ones(10, vocab, device=device)):
-        got = torch.full((10,), -1, dtype=torch.int64, device=device)
-        kept_sample(z, noise, threshold, got)
-        assert torch.equal(got, _draw_reference(z, noise, threshold))
-        assert (z.gather(1, got.unsqueeze(1)).squeeze(1)[4:] >= threshold[4:]).all()  # drawn from the kept set
+    cfg = KeptSetLaunch(**launch)
+    vocab = 300  # three ranges of two tiles, the last range shorter
+    z = rows("integers (many ties)", 10, vocab, device, gen)
+    k_all, p_all = parameters(10, vocab, device, gen)
+    random_noise = torch.empty(10, vocab).exponential_(generator=gen).to(device)
+    ties = torch.ones(10, vocab, device=device)
+    for k, p, noises in ((k_all, p_all, (random_noise, ties)), (k_all, None, (random_noise,)),
+                         (None, p_all, (random_noise,)), (None, None, (ties,))):
+        threshold = reference_thresholds(z, k, p, 40, 2**28)
+        want_threshold = torch.empty(10, device=device)
+        kept_set(z.clone(), k, p, 40, want_threshold, write=False, launch=cfg)
+        for noise in noises:
+            got, got_threshold, got_z = (torch.full((10,), -1, dtype=torch.int64, device=device),
+                                         torch.full((10,), 7.0, device=device), z.clone())
+            kept_set(got_z, k, p, 40, got_threshold, write=False, draw=(noise, got), launch=cfg)
+            assert torch.equal(got, _draw_reference(z, noise, threshold))
+            assert (z.gather(1, got.unsqueeze(1)).squeeze(1)[4:] >= threshold[4:]).all()  # drawn from the kept set
+            assert mismatches(got_threshold, want_threshold) == 0 and mismatches(got_z, z) == 0
+    tokens = torch.full((10,), -1, dtype=torch.int64, device=device)
+    kept_set(z.clone(), k_all, p_all, 40, None, write=False, draw=(random_noise, tokens), launch=cfg)
+    assert torch.equal(tokens, _draw_reference(z, random_noise, reference_thresholds(z, k_all, p_all, 40, 2**28)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("launch", [{"block": 64, "split_rows": 0}, {"block": 64, "split": 3}],
+                         ids=["fused", "split-3"])
+def test_bound_kept_set_draws_as_kept_set(device, launch):
+    """`bind_kept_set` with a draw (the plan of the patched FlashInfer sampler's call) draws on new logits,
+    parameters and noise what `kept_set` draws."""
+    from rl_logp.kernels.kept_set import KeptSetLaunch, bind_kept_set, kept_set
+
+    gen = torch.Generator().manual_seed(14)
+    cfg = KeptSetLaunch(**launch)
+    first, (k, p) = rows("continuous", 6, 300, device, gen), _special_parameters(300, device, gen)
+    noise = torch.empty(6, 300).exponential_(generator=gen).to(device)
+    tokens = torch.empty(6, dtype=torch.int64, device=device)
+    kept_set(first, k, p, 40, None, write=False, draw=(noise, tokens), launch=cfg)
+    bound = bind_kept_set(first, k, p, 40, None, write=False, draw=(noise, tokens), launch=cfg)
+    for kind in ("integers (many ties)", "bf16-rounded"):
+        z, (k2, p2) = rows(kind, 6, 300, device, gen), _special_parameters(300, device, gen)
+        noise2 = torch.empty(6, 300).exponential_(generator=gen).to(device)
+        got = torch.full((6,), -1, dtype=torch.int64, device=device)
+        assert bound([z, k2, p2, noise2, got])
+        want = torch.empty(6, dtype=torch.int64, device=device)
+        kept_set(z, k2, p2, 40, None, write=False, draw=(noise2, want), launch=cfg)
+        assert torch.equal(got, want)
 
 
 @needs_cuda
 @pytest.mark.parametrize("batch", [1, 8, 256])
 def test_cuda_sample_kept_is_the_torch_draw(batch):
-    """`sample_kept` on CUDA (the kept-set thresholds and the draw kernel) draws what its torch form draws
+    """`sample_kept` on CUDA (the kept-set kernel drawing in its last pass) draws what its torch form draws
     on the same noise, at rollout size."""
     from rl_logp.sampling_mask import sample_kept
 

@@ -209,7 +209,7 @@ def test_cuda_mask_has_no_host_sync_and_replays_in_a_cuda_graph():
 def test_sample_kept_draws_from_the_softmax_of_the_kept_set(device):
     """`sample_kept` (the patched FlashInfer sampler's draw): over 40000 rows of the same logits and fresh
     noise, each kept token is drawn at its softmax probability among the kept ones (within 5 standard
-    errors) and no other token is drawn; on CUDA through the kept-set and draw kernels."""
+    errors) and no other token is drawn; on CUDA through the kept-set kernel drawing in its last pass."""
     from rl_logp.sampling_mask import sample_kept
 
     rows = 40000
