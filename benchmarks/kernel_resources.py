@@ -13,9 +13,10 @@ and its target; its count is the shortest path through it from the target to tha
 case: a skipped slow-path call counts nothing), divided by the logits one thread loads on that path.
 `--show` adds the opcode mix of each loop's path; `--maxnreg`, `--chunk`, `--lane`, `--warps` try launch
 variants. With `--backward`, the backward kernel (no loop: one tile per program) gets the whole kernel's
-static count per logit, an upper bound.
+static count per logit, an upper bound. With `--kept-set`, the rollout's kept-set launches (both plans,
+top-k / top-p / both, with and without a write and a draw; fp32 [rows, V]) get registers and spills.
 
-    python benchmarks/kernel_resources.py [--dtype bf16] [--vocab 151936] [--show] [--backward]
+    python benchmarks/kernel_resources.py [--dtype bf16] [--vocab 151936] [--show] [--backward] [--kept-set]
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from rl_logp.kernels import fixed_point, grad, launch, row_stats
+from rl_logp.kernels import fixed_point, grad, kept_set, launch, row_stats
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -211,12 +212,37 @@ def backward(variant: Variant, cfg: launch.LaunchConfig, vocab: int, dtype: torc
     return compile_launch(grad.grad_kernel, args, options)
 
 
+def kept_set_launches(vocab: int, which: tuple[str, ...] = ("k", "p", "kp", "-")):
+    """(name, compiled kernel) of each launch `kept_set` makes, per plan (one row: the split plan; 512 rows:
+    the fused one), parameters (`which`: k, p, both; "-" neither, with a draw only) and mode (write,
+    threshold, draw)."""
+    cfg = kept_set.KeptSetLaunch()
+    options = launch.launch_options(cfg.warps, False, cfg.max_registers)
+    for n in (1, 512):
+        z = torch.empty(n, vocab)
+        split = kept_set.split_count(z, dataclasses.replace(cfg, split=32) if n == 1 else cfg)
+        workspace = torch.empty(kept_set._workspace_shape(z, split, cfg), dtype=torch.int32)
+        for given in which:
+            k = torch.empty(n, dtype=torch.int32) if "k" in given else None
+            p = torch.empty(n) if "p" in given else None
+            for mode in ("write", "threshold", "draw"):
+                if given == "-" and mode != "draw":
+                    continue
+                draw = (torch.empty(n, vocab), torch.empty(n, dtype=torch.int64)) if mode == "draw" else None
+                threshold = None if mode == "draw" else torch.empty(n)
+                launches = kept_set._launches(z, k, p, 40, threshold, workspace, mode == "write", draw, split, cfg)
+                for phase, (launcher, _, args) in enumerate(launches):
+                    name = f"{'split' if split > 1 else 'fused'} {given} {mode}" + (f" #{phase + 1}" if split > 1 else "")
+                    yield name, compile_launch(launcher.kernel, args, options)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--show", action="store_true", help="print the opcode mix of each hot loop's path")
     parser.add_argument("--backward", action="store_true", help="also the backward kernel")
+    parser.add_argument("--kept-set", action="store_true", help="also the kept-set kernels (registers, spills)")
     parser.add_argument("--maxnreg", type=int, help="cap the forward's registers per thread (ptxas .maxnreg)")
     for field in ("chunk", "lane", "warps"):
         parser.add_argument(f"--{field}", type=int, help=f"LaunchConfig.{field} (default: LaunchConfig's)")
@@ -253,6 +279,11 @@ def main() -> None:
             regs, local = registers(kernel)
             instrs, _ = sass(kernel)
             print(f"{variant.name:16s} {regs:4d} {local:5d} {len(instrs) * 32 * cfg.grad_warps / cfg.grad_block:10.2f}")
+    if args.kept_set:
+        print(f"\nkept set, fp32 x {args.vocab}: registers and spill bytes per thread of each launch")
+        for name, kernel in kept_set_launches(args.vocab):
+            regs, local = registers(kernel)
+            print(f"{name:24s} {regs:4d} {local:5d}")
 
 
 if __name__ == "__main__":
