@@ -13,7 +13,8 @@ and its target; its count is the shortest path through it from the target to tha
 case: a skipped slow-path call counts nothing), divided by the logits one thread loads on that path.
 `--show` adds the opcode mix of each loop's path; `--maxnreg`, `--chunk`, `--lane`, `--warps` try launch
 variants. With `--backward`, the backward kernel (no loop: one tile per program) gets the whole kernel's
-static count per logit, an upper bound. With `--kept-set`, the rollout's kept-set launches (both plans,
+static count per logit, an upper bound, and its common path's: the shortest path from its first
+instruction to an EXIT (a skipped slow-path call counts nothing), per logit. With `--kept-set`, the rollout's kept-set launches (both plans,
 top-k / top-p / both, with and without a write and a draw; fp32 [rows, V]) get registers and spills.
 
     python benchmarks/kernel_resources.py [--dtype bf16] [--vocab 151936] [--show] [--backward] [--kept-set]
@@ -137,6 +138,12 @@ def shortest_path(instrs: list[Instr], labels: dict[str, int], first: int, last:
         if i == first:
             return path[::-1]
         i = came[i]
+
+
+def common_path(instrs: list[Instr], labels: dict[str, int]) -> int:
+    """Instructions on the shortest path from a kernel's first instruction to one of its EXITs."""
+    exits = [i for i, ins in enumerate(instrs) if ins.opcode == "EXIT"]
+    return min(len(shortest_path(instrs, labels, 0, e)) for e in exits)
 
 
 def loaded_bytes(path: list[Instr]) -> int:
@@ -273,12 +280,15 @@ def main() -> None:
             for name, (_, ops) in loops.items():
                 print(f"    {name}: {dict(ops.most_common())}")
     if args.backward:
-        print(f"\nbackward, block {cfg.grad_block}, warps {cfg.grad_warps}: whole kernel, static")
+        print(f"\nbackward, block {cfg.grad_block}, warps {cfg.grad_warps}: SASS per logit, whole kernel (static) "
+              "and common path")
+        per_logit = 32 * cfg.grad_warps / cfg.grad_block
         for variant in VARIANTS:
             kernel = backward(variant, cfg, args.vocab, dtype)
             regs, local = registers(kernel)
-            instrs, _ = sass(kernel)
-            print(f"{variant.name:16s} {regs:4d} {local:5d} {len(instrs) * 32 * cfg.grad_warps / cfg.grad_block:10.2f}")
+            instrs, labels = sass(kernel)
+            print(f"{variant.name:16s} {regs:4d} {local:5d} {len(instrs) * per_logit:10.2f} "
+                  f"{common_path(instrs, labels) * per_logit:8.2f}")
     if args.kept_set:
         print(f"\nkept set, fp32 x {args.vocab}: registers and spill bytes per thread of each launch")
         for name, kernel in kept_set_launches(args.vocab):
