@@ -139,7 +139,7 @@ def make_apply_top_k_top_p(config: LogpConfig):
         del has_topp_only_rows  # a hint for vLLM's Triton kernel (0.3x); the contract needs none
         if k is None and p is None:
             return logits
-        z = logits if logits.dtype == torch.float32 else logits.to(torch.float32)
+        z = logits.to(torch.float32)  # the tensor itself when it is fp32 already
         return mask_logits_(z, k, p, config)
 
     return apply_top_k_top_p
@@ -154,7 +154,7 @@ def make_flashinfer_sample(config: LogpConfig):
 
     def flashinfer_sample(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None,
                           generators: dict[int, torch.Generator] | None = None) -> torch.Tensor:
-        z = logits if logits.dtype == torch.float32 else logits.to(torch.float32)
+        z = logits.to(torch.float32)  # the tensor itself when it is fp32 already
         noise = torch.empty_like(z, memory_format=torch.contiguous_format).exponential_()
         for row, generator in (generators or {}).items():
             noise[row].exponential_(generator=generator)
