@@ -12,8 +12,9 @@
 #             -> $OUT/h200_rollout_<version>.json
 #   profile   profile_rollout_step.py for vLLM 0.24.0's V1 step at 8 rows, raw and processed (PROFILE_ARGS):
 #             each function's host time per step, patched minus unpatched -> $OUT/h200_profile_v1_<mode>.txt
-#   ncu       Nsight Compute on one forward + backward of rl_logp.logprobs per case (NCU_CASES: t1 t07 t1_entropy
-#             t07_entropy; NCU_ARGS to benchmarks/ncu_cases.py) -> $OUT/ncu_<case>.ncu-rep and .txt
+#   ncu       Nsight Compute on one call per case (benchmarks/ncu_cases.py; NCU_CASES: t1 t07 t1_entropy t07_entropy,
+#             a forward + backward of rl_logp.logprobs; kept_k50 kept_p09 kept_k50_p09, the kept set at one row;
+#             NCU_ARGS to the script) -> $OUT/ncu_<case>.ncu-rep and .txt
 #   check     the TP=2 agreement check with each carried vLLM as the rollout side
 #   linear    (issue 27) tests/test_linear.py, then bench_linear.py: rl-logp's fused lm_head + logp beside
 #             verl's fused heads and the unfused path -> $OUT/gpu_linear_tests.txt, $OUT/h200_linear.json
@@ -75,7 +76,7 @@ for stage in ${STAGES}; do
           --path v1_sampler --mode "${mode}" --batch 8 ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/h200_profile_v1_${mode}.txt" | head -30
       done ;;
     ncu)
-      # Nsight Compute on one forward + backward per case (benchmarks/ncu_cases.py), clocks left alone:
+      # Nsight Compute on one call per case (benchmarks/ncu_cases.py), clocks left alone:
       # speed of light, occupancy, warp stalls, memory; a report per case and its details as text.
       for case in ${NCU_CASES:-t1 t07 t1_entropy}; do
         timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none --nvtx --nvtx-include measure/ \
@@ -83,7 +84,7 @@ for stage in ${STAGES}; do
           --section MemoryWorkloadAnalysis -f -o "$OUT/ncu_${case}" \
           python3 -P benchmarks/ncu_cases.py --case "${case}" ${NCU_ARGS:-} 2>&1 | tail -3
         ncu --import "$OUT/ncu_${case}.ncu-rep" --page details > "$OUT/ncu_${case}.txt" 2>&1
-        grep -E "grad_kernel|row_stats_kernel|Duration|Registers Per|Achieved Occupancy|Memory Throughput|DRAM Throughput|Compute \(SM\)" \
+        grep -E "grad_kernel|row_stats_kernel|kept_set|Duration|Registers Per|Achieved Occupancy|Memory Throughput|DRAM Throughput|Compute \(SM\)" \
           "$OUT/ncu_${case}.txt" | head -24
       done ;;
     check)

@@ -138,3 +138,18 @@ def test_bench_linear_smoke(tmp_path):
     assert any(r["logp_max_abs_diff_vs_rl_logp"] > 0 for r in rows
                if r["provider"].startswith("verl") and r["temperature"] == 0.7)
     assert "report written" in stdout
+
+
+def test_ncu_cases_smoke():
+    """Every case of the Nsight Compute driver runs on the CPU at a tiny shape (the trainer cases under
+    Triton's interpreter, the kept set by its torch reference) and says what it ran."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import ncu_cases
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    for case in [*ncu_cases.CASES, *ncu_cases.KEPT_CASES]:
+        run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ncu_cases.py"), "--case", case, "--rows", "3",
+                              "--vocab", "1031", "--warmup", "1"], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-4000:]
+        assert run.stdout.startswith(f"{case}: 3 x 1031, ") and run.stdout.rstrip().endswith(" ran"), run.stdout
