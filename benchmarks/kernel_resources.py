@@ -15,7 +15,8 @@ case: a skipped slow-path call counts nothing), divided by the logits one thread
 variants. With `--backward`, the backward kernel (no loop: one tile per program) gets the whole kernel's
 static count per logit, an upper bound, and its common path's: the shortest path from its first
 instruction to an EXIT (a skipped slow-path call counts nothing), per logit. With `--kept-set`, the rollout's kept-set launches (both plans,
-top-k / top-p / both, with and without a write and a draw; fp32 [rows, V]) get registers and spills.
+top-k / top-p / both, with and without a write and a draw; fp32 [rows, V]) get registers and spills, and
+each hot loop (one pass over a row or range) its SASS instructions per element.
 
     python benchmarks/kernel_resources.py [--dtype bf16] [--vocab 151936] [--show] [--backward] [--kept-set]
 """
@@ -174,6 +175,22 @@ def loop_costs(kernel, element_bytes: int) -> dict[str, tuple[float, collections
     return out
 
 
+LOOP_FEATURES = (("max", "FMNMX"), ("histogram", "POPC"), ("exp", "MUFU.EX2"), ("log", "MUFU.LG2"), ("scan", "SHFL"),
+                 ("store", "STG"))
+
+
+def element_loops(kernel) -> list[tuple[str, float]]:
+    """(what, SASS instructions per fp32 element of its common path) of each hot loop of a kernel, in code
+    order; what: the features its path holds (max, histogram, exp, log, scan, store; "load" for none)."""
+    instrs, labels = sass(kernel)
+    out = []
+    for first, last in hot_loops(instrs, labels):
+        path = shortest_path(instrs, labels, first, last)
+        what = [name for name, op in LOOP_FEATURES if any(ins.opcode.startswith(op) for ins in path)]
+        out.append(("+".join(what) or "load", len(path) * 4 / loaded_bytes(path)))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str
@@ -290,10 +307,12 @@ def main() -> None:
             print(f"{variant.name:16s} {regs:4d} {local:5d} {len(instrs) * per_logit:10.2f} "
                   f"{common_path(instrs, labels) * per_logit:8.2f}")
     if args.kept_set:
-        print(f"\nkept set, fp32 x {args.vocab}: registers and spill bytes per thread of each launch")
+        print(f"\nkept set, fp32 x {args.vocab}: registers and spill bytes per thread of each launch, and the SASS"
+              " instructions per element of each hot loop's common path (its features), in code order")
         for name, kernel in kept_set_launches(args.vocab):
             regs, local = registers(kernel)
-            print(f"{name:24s} {regs:4d} {local:5d}")
+            loops = "  ".join(f"{what} {cost:.1f}" for what, cost in element_loops(kernel))
+            print(f"{name:24s} {regs:4d} {local:5d}  {loops}")
 
 
 if __name__ == "__main__":

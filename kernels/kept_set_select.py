@@ -130,8 +130,10 @@ def _compact(row_ptr, vocab, row_max, floor, first, last, scratch, rate, q_scale
         b = _bucket(z, row_max, rate, NB)
         pick = ok & (b >= first) & (b <= last)
         picked = pick.to(tl.int32)
-        tl.store(scratch + n + tl.cumsum(picked, 0) - picked, key, mask=pick)
-        n += tl.sum(picked)
+        count = tl.sum(picked)
+        if count > 0:  # most tiles hold none of a narrow bracket: no scan for them
+            tl.store(scratch + n + tl.cumsum(picked, 0) - picked, key, mask=pick)
+        n += count
         if MASS:
             above += tl.sum(tl.where(ok & (b < first), _terms(z, row_max, q_scale), 0))
     tl.debug_barrier()
