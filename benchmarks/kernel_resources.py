@@ -14,9 +14,10 @@ case: a skipped slow-path call counts nothing), divided by the logits one thread
 `--show` adds the opcode mix of each loop's path; `--maxnreg`, `--chunk`, `--lane`, `--warps` try launch
 variants. With `--backward`, the backward kernel (no loop: one tile per program) gets the whole kernel's
 static count per logit, an upper bound, and its common path's: the shortest path from its first
-instruction to an EXIT (a skipped slow-path call counts nothing), per logit. With `--kept-set`, the rollout's kept-set launches (both plans,
-top-k / top-p / both, with and without a write and a draw; fp32 [rows, V]) get registers and spills, and
-each hot loop (one pass over a row or range) its SASS instructions per element.
+instruction to an EXIT (a skipped slow-path call counts nothing), per logit. With `--kept-set`, the
+rollout's kept-set launches (both plans, top-k / top-p / both, with and without a write and a draw; fp32
+[rows, V]) get registers and spills, and each hot loop (one pass over a row or range) its SASS
+instructions per element.
 
     python benchmarks/kernel_resources.py [--dtype bf16] [--vocab 151936] [--show] [--backward] [--kept-set]
 """
@@ -156,20 +157,29 @@ def loaded_bytes(path: list[Instr]) -> int:
     return total
 
 
+def loop_paths(kernel, element_bytes: int) -> list[tuple[int, list[Instr], float]]:
+    """(address, common path, SASS instructions per element of `element_bytes`) of each hot loop of a
+    kernel, in code order: the loop's shortest path from its first instruction to its back edge, over the
+    elements one thread loads on that path."""
+    instrs, labels = sass(kernel)
+    paths = []
+    for first, last in hot_loops(instrs, labels):
+        path = shortest_path(instrs, labels, first, last)
+        paths.append((instrs[first].address, path, len(path) * element_bytes / loaded_bytes(path)))
+    return paths
+
+
 def loop_costs(kernel, element_bytes: int) -> dict[str, tuple[float, collections.Counter]]:
     """{'max': ..., 'sums': ..., 'sums div_rn': ...}: SASS instructions per logit of each kind of hot loop
     (the cheapest loop of a kind: an unrolled loop's remainder loop is a second one) and its opcode mix."""
-    instrs, labels = sass(kernel)
     out = {}
-    for first, last in hot_loops(instrs, labels):
-        path = shortest_path(instrs, labels, first, last)
+    for address, path, cost in loop_paths(kernel, element_bytes):
         ops = collections.Counter(ins.opcode.split(".")[0] for ins in path)
         mufu = {ins.opcode.split(".")[1] for ins in path if ins.opcode.startswith("MUFU.")}
         if "EX2" in mufu:
             name = "sums div_rn" if "RCP" in mufu else "sums"
         else:
-            name = "max" if any("MNMX" in op for op in ops) else f"loop@{instrs[first].address:x}"
-        cost = len(path) * element_bytes / loaded_bytes(path)
+            name = "max" if any("MNMX" in op for op in ops) else f"loop@{address:x}"
         if name not in out or cost < out[name][0]:  # an unrolled loop beside its remainder: the main one
             out[name] = (cost, ops)
     return out
@@ -182,13 +192,8 @@ LOOP_FEATURES = (("max", "FMNMX"), ("histogram", "POPC"), ("exp", "MUFU.EX2"), (
 def element_loops(kernel) -> list[tuple[str, float]]:
     """(what, SASS instructions per fp32 element of its common path) of each hot loop of a kernel, in code
     order; what: the features its path holds (max, histogram, exp, log, scan, store; "load" for none)."""
-    instrs, labels = sass(kernel)
-    out = []
-    for first, last in hot_loops(instrs, labels):
-        path = shortest_path(instrs, labels, first, last)
-        what = [name for name, op in LOOP_FEATURES if any(ins.opcode.startswith(op) for ins in path)]
-        out.append(("+".join(what) or "load", len(path) * 4 / loaded_bytes(path)))
-    return out
+    return [("+".join(name for name, op in LOOP_FEATURES if any(ins.opcode.startswith(op) for ins in path)) or "load",
+             cost) for _, path, cost in loop_paths(kernel, 4)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +271,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--show", action="store_true", help="print the opcode mix of each hot loop's path")
     parser.add_argument("--backward", action="store_true", help="also the backward kernel")
-    parser.add_argument("--kept-set", action="store_true", help="also the kept-set kernels (registers, spills)")
+    parser.add_argument("--kept-set", action="store_true", help="also the kept-set kernels (registers, spills, SASS per element)")
     parser.add_argument("--maxnreg", type=int, help="cap the forward's registers per thread (ptxas .maxnreg)")
     for field in ("chunk", "lane", "warps"):
         parser.add_argument(f"--{field}", type=int, help=f"LaunchConfig.{field} (default: LaunchConfig's)")

@@ -19,9 +19,10 @@ def _smoke(script: str, out: Path) -> tuple[dict, str]:
 
 def test_bench_rollout_smoke(tmp_path):
     """Every path runs patched and unpatched, V1 and V2 with n = 0 and 20 top logprobs, the kept set and the
-    draw with top-k and top-p each alone and both; every patched row's outputs pass the benchmark's check (scored with the fused kernels under Triton's interpreter, the
-    path that reported V2 n > 0 wrong when the check passed vLLM's strided token column), and the
-    unpatched rows are the control: vLLM's own bits fail the same check on some rows."""
+    draw with top-k and top-p each alone and both; every patched row's outputs pass the benchmark's check
+    (scored with the fused kernels under Triton's interpreter, the path that reported V2 n > 0 wrong when the
+    check passed vLLM's strided token column), and the unpatched rows are the control: vLLM's own bits fail
+    the same check on some rows."""
     report, stdout = _smoke("bench_rollout.py", tmp_path / "rollout.json")
     rows = report["rows"]
     assert report["backend"] == "fused" and report["not_run"] == {}
