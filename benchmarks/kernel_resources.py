@@ -12,9 +12,9 @@ row that divides by `div_rn` (a separate loop). A loop is the code between a pre
 and its target; its count is the shortest path through it from the target to that branch (the common
 case: a skipped slow-path call counts nothing), divided by the logits one thread loads on that path.
 `--show` adds the opcode mix of each loop's path; `--maxnreg`, `--chunk`, `--lane`, `--warps` try launch
-variants. With `--backward`, the backward kernel (no loop: one tile per program) gets the whole kernel's
-static count per logit, an upper bound, and its common path's: the shortest path from its first
-instruction to an EXIT (a skipped slow-path call counts nothing), per logit. With `--kept-set`, the
+variants. With `--backward`, the backward kernel (one tile per program) gets the whole kernel's static count
+per logit, its lean path's (the shortest path from its first instruction through the full tile's store to
+an EXIT, over the logits it loads) and its general path's (the sub-tile loop, as a hot loop). With `--kept-set`, the
 rollout's kept-set launches (both plans, top-k / top-p / both, with and without a write and a draw; fp32
 [rows, V]) get registers and spills, and each hot loop (one pass over a row or range) its SASS
 instructions per element.
@@ -107,15 +107,19 @@ def sass(kernel) -> tuple[list[Instr], dict[str, int]]:
 
 def hot_loops(instrs: list[Instr], labels: dict[str, int]) -> list[tuple[int, int]]:
     """(first, last) instruction indices of each innermost loop that loads from global memory."""
-    # A loop's back edge is a predicated branch (an unconditional one jumps back from out-of-line code).
+    # A back edge is any branch to an earlier label: predicated (a loop tested at its foot) or not (tested at
+    # its head, as the backward's sub-tile loop is). A jump back from out-of-line code would count as well;
+    # none does in these kernels (the forward's and kept set's counts are the same as with predicated ones).
     loops = [(labels[ins.target], i) for i, ins in enumerate(instrs)
-             if ins.target and ins.guarded and labels[ins.target] <= i]
+             if ins.target and labels[ins.target] <= i]
     inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
     return [(a, b) for a, b in inner if any(ins.opcode.startswith("LDG") for ins in instrs[a:b + 1])]
 
 
-def shortest_path(instrs: list[Instr], labels: dict[str, int], first: int, last: int) -> list[Instr]:
-    """The fewest instructions from `first` to the back-edge branch at `last`, within the loop."""
+def shortest_path(instrs: list[Instr], labels: dict[str, int], first: int, last: int,
+                  bounded: bool = True) -> list[Instr]:
+    """The fewest instructions from `first` to `last` (a loop's back-edge branch): within the loop, or
+    anywhere in the kernel (`bounded` False); [] where `last` cannot be reached."""
     best, queue, came = {first: 1}, [(1, first)], {}
     while queue:
         cost, i = heapq.heappop(queue)
@@ -131,9 +135,11 @@ def shortest_path(instrs: list[Instr], labels: dict[str, int], first: int, last:
         if ins.guarded or ins.opcode not in ("BRA", "EXIT"):
             nexts.append(i + 1)
         for j in nexts:
-            if first <= j <= last and cost + 1 < best.get(j, 1 << 30):
+            if (not bounded or first <= j <= last) and cost + 1 < best.get(j, 1 << 30):
                 best[j], came[j] = cost + 1, i
                 heapq.heappush(queue, (cost + 1, j))
+    if last not in best:
+        return []
     path, i = [], last
     while True:
         path.append(instrs[i])
@@ -142,10 +148,14 @@ def shortest_path(instrs: list[Instr], labels: dict[str, int], first: int, last:
         i = came[i]
 
 
-def common_path(instrs: list[Instr], labels: dict[str, int]) -> int:
-    """Instructions on the shortest path from a kernel's first instruction to one of its EXITs."""
+def tile_path(instrs: list[Instr], labels: dict[str, int]) -> list[Instr]:
+    """The shortest path from a kernel's first instruction through its first global store outside every hot
+    loop to an EXIT: a kernel's straight-line tile (the backward's lean path)."""
+    in_loops = {i for first, last in hot_loops(instrs, labels) for i in range(first, last + 1)}
+    store = next(i for i, ins in enumerate(instrs) if ins.opcode.startswith("STG") and i not in in_loops)
     exits = [i for i, ins in enumerate(instrs) if ins.opcode == "EXIT"]
-    return min(len(shortest_path(instrs, labels, 0, e)) for e in exits)
+    tail = min(filter(None, (shortest_path(instrs, labels, store, e, bounded=False) for e in exits)), key=len)
+    return shortest_path(instrs, labels, 0, store, bounded=False) + tail[1:]
 
 
 def loaded_bytes(path: list[Instr]) -> int:
@@ -236,7 +246,7 @@ def backward(variant: Variant, cfg: launch.LaunchConfig, vocab: int, dtype: torc
     args = (x, x.stride(0), x, x.stride(0), torch.zeros(n, dtype=torch.int64), 0, vocab, rows, 0.7, row(), row(),
             row() if variant.entropy else None, row(), 1, row() if variant.entropy else None, 1, vocab)
     options = {"TEMP_MODE": variant.temp_mode, "DIV": cfg.div, "LOGP": True, "ENTROPY": variant.entropy,
-               "BLOCK": cfg.grad_block, "num_warps": cfg.grad_warps, "enable_fp_fusion": False,
+               "BLOCK": cfg.grad_block, "SUB": launch.grad_sub(cfg), "num_warps": cfg.grad_warps, "enable_fp_fusion": False,
                "enable_reflect_ftz": cfg.ftz}
     return compile_launch(grad.grad_kernel, args, options)
 
@@ -302,15 +312,21 @@ def main() -> None:
             for name, (_, ops) in loops.items():
                 print(f"    {name}: {dict(ops.most_common())}")
     if args.backward:
-        print(f"\nbackward, block {cfg.grad_block}, warps {cfg.grad_warps}: SASS per logit, whole kernel (static) "
-              "and common path")
-        per_logit = 32 * cfg.grad_warps / cfg.grad_block
+        print(f"\nbackward, block {cfg.grad_block}, warps {cfg.grad_warps}: registers, spill bytes, and SASS per logit:"
+              f" the whole kernel (static), its lean path (a full tile, {cfg.grad_block // (32 * cfg.grad_warps)} "
+              f"logits per thread), its general path (the sub-tile loop, {launch.grad_sub(cfg) // (32 * cfg.grad_warps)}"
+              " per thread; div_rn rows also take it)")
+        print(f"{'variant':16s} {'regs':>4s} {'spill':>5s} {'static':>7s} {'lean':>6s} {'general':>7s}")
         for variant in VARIANTS:
             kernel = backward(variant, cfg, args.vocab, dtype)
             regs, local = registers(kernel)
             instrs, labels = sass(kernel)
-            print(f"{variant.name:16s} {regs:4d} {local:5d} {len(instrs) * per_logit:10.2f} "
-                  f"{common_path(instrs, labels) * per_logit:8.2f}")
+            lean = tile_path(instrs, labels)
+            general = min(cost for _, _, cost in loop_paths(kernel, dtype.itemsize))
+            print(f"{variant.name:16s} {regs:4d} {local:5d} {len(instrs) * 32 * cfg.grad_warps / cfg.grad_block:7.2f} "
+                  f"{len(lean) * dtype.itemsize / loaded_bytes(lean):6.2f} {general:7.2f}")
+            if args.show:
+                print(f"    lean: {dict(collections.Counter(ins.opcode.split('.')[0] for ins in lean).most_common())}")
     if args.kept_set:
         print(f"\nkept set, fp32 x {args.vocab}: registers and spill bytes per thread of each launch, and the SASS"
               " instructions per element of each hot loop's common path (its features), in code order")

@@ -61,7 +61,8 @@ class LaunchConfig:
     split_eager; split: programs per row in it (0: enough to give each SM `split_per_sm` programs; at most
     one per tile either way); ftz:
     libdevice's flush-to-zero `exp` (torch's CUDA `exp` is not flushed: False keeps subnormal results the
-    same bits); grad_block, grad_warps: the backward's tile and warps.
+    same bits); grad_block, grad_warps: the backward's tile and warps (its general path works in sub-tiles
+    of four columns per thread, `grad_sub`).
     """
 
     chunk: int = 4096
@@ -253,6 +254,11 @@ def shard_sums(x: torch.Tensor, temp_mode: int, temp_rows: torch.Tensor | None, 
         row_stats_launch(grid, args, options)
 
 
+def grad_sub(cfg: LaunchConfig) -> int:
+    """Columns per sub-tile of the backward's general path: four per thread."""
+    return min(cfg.grad_block, 4 * 32 * cfg.grad_warps)
+
+
 def grad(x: torch.Tensor, out: torch.Tensor, labels: torch.Tensor | None, label_offset: int, vocab_total: int,
          temp_mode: int, temp_rows: torch.Tensor | None, t_scalar: float, row_max: torch.Tensor,
          log_sum: torch.Tensor, entropy: torch.Tensor | None, g_logp: torch.Tensor | None,
@@ -265,6 +271,7 @@ def grad(x: torch.Tensor, out: torch.Tensor, labels: torch.Tensor | None, label_
         grad_launch((n, triton.cdiv(vocab, cfg.grad_block)), (
             x, x.stride(0), out, out.stride(0), labels, label_offset, vocab_total, temp_rows, t_scalar,
             row_max, log_sum, entropy, g_logp, g_logp.stride(0) if has_lp else 0, g_entropy,
-            g_entropy.stride(0) if has_h else 0, vocab, temp_mode, cfg.div, has_lp, has_h, cfg.grad_block),
+            g_entropy.stride(0) if has_h else 0, vocab, temp_mode, cfg.div, has_lp, has_h, cfg.grad_block,
+            grad_sub(cfg)),
             launch_options(cfg.grad_warps, cfg.ftz, 0))
 

@@ -119,6 +119,41 @@ def test_launch_variants_give_the_same_bits(device):
                 assert mismatches(a, b) == 0, cfg
 
 
+
+@pytest.mark.parametrize("device", FUSED_DEVICES)
+def test_backward_tiles_give_the_same_bits(device):
+    """The backward's lean tiles (full, live, label elsewhere, reciprocal or no temperature) and its general
+    sub-tiles (the row's last tile, the label's, ignored and dead rows, div_rn rows) give the same bits:
+    every tiling against whole rows (the CPU: one general tile per row) or against each other (the GPU)."""
+    engine, config, fp = _kernels()
+    vocab = 151936 if device == "cuda" else 1531
+    n = 9
+    x = model_like_logits(n, vocab, torch.bfloat16, device, seed=3)
+    x[0] = 0.0  # M = 0 is outside the reciprocal's range: div_rn
+    x[1] = float("-inf")  # a dead row
+    x[2, 7:] = float("-inf")
+    labels = random_labels(n, vocab, device, seed=3)
+    labels[3], labels[4], labels[5], labels[6], labels[7] = -100, vocab + 3, 256, 255, vocab - 1
+    g_lp, g_h = torch.linspace(-1.5, 2.0, n, device=device), torch.linspace(0.5, -1.0, n, device=device)
+    base = config()
+    tilings = [(base.grad_block, base.grad_warps), (256, 4), (256, 1), (128, 1)]
+    if device == "cuda":
+        tilings = [(base.grad_block, base.grad_warps), (2048, 4), (8192, 8), (512, 1)]
+    for div in (fp.DIV_IEEE.value, fp.DIV_RECIPROCAL.value):
+        for temp in (None, 0.7, torch.linspace(0.5, 1.5, n, device=device)):
+            for parts in ((g_lp, None), (None, g_h), (g_lp, g_h)):
+                grads = []
+                for block, warps in tilings:
+                    fused = engine(dataclasses.replace(base, div=div, grad_block=block, grad_warps=warps))
+                    req = engine_request(x, labels, temp, engine="fused", entropy=True)
+                    out = torch.empty_like(x)
+                    fused.grad(req, fused.row_stats(req), *parts, out)
+                    grads.append(out)
+                for got, tiling in zip(grads[1:], tilings[1:], strict=True):
+                    assert mismatches(got, grads[0]) == 0, (div, temp, tiling)
+                assert grads[0][1].abs().sum() == 0 and grads[0][3 if parts[1] is None else 1].abs().sum() == 0
+
+
 def _split_and_whole(x, labels, temp, config, **split):
     """Every output of the split plan (`split` overriding the launch config) and of whole rows, for a
     request with the entropy, the normaliser and every column's logprob."""
