@@ -266,11 +266,11 @@ def sweep_variants(smoke: bool) -> list[dict]:
     """Overrides of `LaunchConfig` to time (the first is the default)."""
     if smoke:
         return [{}, {"chunk": 512, "lane": 8}]
-    forward = [{}, {"lane": 1}, {"lane": 4}, {"lane": 8, "programs_per_sm": 8}, {"lane": 8, "programs_per_sm": 2},
-               {"lane": 8, "chunk": 8192}, {"lane": 16, "chunk": 8192}, {"lane": 8, "chunk": 2048, "warps": 4,
-                                                                          "programs_per_sm": 8},
-               {"lane": 8, "warps": 4, "programs_per_sm": 8}, {"lane": 8, "programs_per_sm": 0},
-               {"lane": 8, "two_pass": True}]
+    # The cluster forward (one HBM read per row: 4 blocks of 76 KB per bf16 row of 151936, or 8 of 38 KB),
+    # and one Triton program per SM (132 rows in flight, 39 MB: does the second pass then come from L2?).
+    forward = [{}, {"cluster_rows": 1}, {"cluster_rows": 1, "cluster_threads": 512},
+               {"cluster_rows": 1, "cluster_slice_bytes": 49152}, {"programs_per_sm": 1, "warps": 32, "chunk": 16384},
+               {"programs_per_sm": 1, "warps": 16, "chunk": 8192}]
     backward = [{"grad_block": 8192, "grad_warps": 8}, {"grad_block": 2048, "grad_warps": 4}]
     return forward + backward
 

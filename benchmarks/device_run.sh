@@ -47,7 +47,7 @@ for stage in ${STAGES}; do
   case "${stage}" in
     tests)
       # shellcheck disable=SC2086
-      timeout "${TEST_TIMEOUT:-240}" python3 -P -m pytest -q ${TEST_FILES:-tests/test_fused_kernel.py tests/test_invariance.py tests/test_compile.py tests/test_tp_agreement.py tests/test_entropy.py tests/test_api_and_config.py tests/test_reference_accuracy.py tests/test_launcher.py tests/test_rollout_calls.py tests/test_temperature_kernel.py} \
+      timeout "${TEST_TIMEOUT:-240}" python3 -P -m pytest -q ${TEST_FILES:-tests/test_fused_kernel.py tests/test_invariance.py tests/test_compile.py tests/test_tp_agreement.py tests/test_entropy.py tests/test_api_and_config.py tests/test_reference_accuracy.py tests/test_launcher.py tests/test_rollout_calls.py tests/test_temperature_kernel.py tests/test_cluster_forward.py} \
         -k "${TEST_FILTER:-not cpu and not world}" -p no:cacheprovider -rA -v 2>&1 | quiet > "$OUT/gpu_tests.txt"
       grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/gpu_tests.txt" | tail -25 ;;
     sweep)
@@ -84,7 +84,7 @@ for stage in ${STAGES}; do
           --section MemoryWorkloadAnalysis -f -o "$OUT/ncu_${case}" \
           python3 -P benchmarks/ncu_cases.py --case "${case}" ${NCU_ARGS:-} 2>&1 | tail -3
         ncu --import "$OUT/ncu_${case}.ncu-rep" --page details > "$OUT/ncu_${case}.txt" 2>&1
-        grep -E "grad_kernel|row_stats_kernel|kept_set|Duration|Registers Per|Achieved Occupancy|Memory Throughput|DRAM Throughput|Compute \(SM\)" \
+        grep -E "grad_kernel|row_stats_kernel|cluster_row_stats|kept_set|Duration|Registers Per|Achieved Occupancy|Memory Throughput|DRAM Throughput|Compute \(SM\)" \
           "$OUT/ncu_${case}.txt" | head -24
       done ;;
     check)

@@ -14,12 +14,15 @@ case: a skipped slow-path call counts nothing), divided by the logits one thread
 `--show` adds the opcode mix of each loop's path; `--maxnreg`, `--chunk`, `--lane`, `--warps` try launch
 variants. With `--backward`, the backward kernel (one tile per program) gets the whole kernel's static count
 per logit, its lean path's (the shortest path from its first instruction through the full tile's store to
-an EXIT, over the logits it loads) and its general path's (the sub-tile loop, as a hot loop). With `--kept-set`, the
+an EXIT, over the logits it loads) and its general path's (the sub-tile loop, as a hot loop). With
+`--cluster`, the cluster forward (`kernels/cluster_row_stats.cu`, compiled by NVRTC, which needs no GPU
+either) gets registers, spills and the SASS per logit of each loop over its shared-memory slice. With `--kept-set`, the
 rollout's kept-set launches (both plans, top-k / top-p / both, with and without a write and a draw; fp32
 [rows, V]) get registers and spills, and each hot loop (one pass over a row or range) its SASS
 instructions per element.
 
     python benchmarks/kernel_resources.py [--dtype bf16] [--vocab 151936] [--show] [--backward] [--kept-set]
+                                          [--cluster]
 """
 
 from __future__ import annotations
@@ -105,15 +108,16 @@ def sass(kernel) -> tuple[list[Instr], dict[str, int]]:
     return instrs, labels
 
 
-def hot_loops(instrs: list[Instr], labels: dict[str, int]) -> list[tuple[int, int]]:
-    """(first, last) instruction indices of each innermost loop that loads from global memory."""
+def hot_loops(instrs: list[Instr], labels: dict[str, int], load: str = "LDG") -> list[tuple[int, int]]:
+    """(first, last) instruction indices of each innermost loop that loads from global memory (`load`
+    "LDS": from shared memory)."""
     # A back edge is any branch to an earlier label: predicated (a loop tested at its foot) or not (tested at
     # its head, as the backward's sub-tile loop is). A jump back from out-of-line code would count as well;
     # none does in these kernels (the forward's and kept set's counts are the same as with predicated ones).
     loops = [(labels[ins.target], i) for i, ins in enumerate(instrs)
              if ins.target and labels[ins.target] <= i]
     inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
-    return [(a, b) for a, b in inner if any(ins.opcode.startswith("LDG") for ins in instrs[a:b + 1])]
+    return [(a, b) for a, b in inner if any(ins.opcode.startswith(load) for ins in instrs[a:b + 1])]
 
 
 def shortest_path(instrs: list[Instr], labels: dict[str, int], first: int, last: int,
@@ -158,24 +162,25 @@ def tile_path(instrs: list[Instr], labels: dict[str, int]) -> list[Instr]:
     return shortest_path(instrs, labels, 0, store, bounded=False) + tail[1:]
 
 
-def loaded_bytes(path: list[Instr]) -> int:
+def loaded_bytes(path: list[Instr], load: str = "LDG") -> int:
     total = 0
     for ins in path:
-        if ins.opcode.startswith("LDG"):
+        if ins.opcode.startswith(load):
             width = [LOAD_BYTES[p] for p in ins.opcode.split(".")[1:] if p in LOAD_BYTES]
             total += width[0] if width else 4
     return total
 
 
-def loop_paths(kernel, element_bytes: int) -> list[tuple[int, list[Instr], float]]:
+def loop_paths(kernel, element_bytes: int, load: str = "LDG") -> list[tuple[int, list[Instr], float]]:
     """(address, common path, SASS instructions per element of `element_bytes`) of each hot loop of a
-    kernel, in code order: the loop's shortest path from its first instruction to its back edge, over the
-    elements one thread loads on that path."""
+    kernel (loops loading with `load`), in code order: the loop's shortest path from its first instruction
+    to its back edge, over the elements one thread loads on that path."""
     instrs, labels = sass(kernel)
     paths = []
-    for first, last in hot_loops(instrs, labels):
+    for first, last in hot_loops(instrs, labels, load):
         path = shortest_path(instrs, labels, first, last)
-        paths.append((instrs[first].address, path, len(path) * element_bytes / loaded_bytes(path)))
+        if loaded_bytes(path, load):  # a loop whose common path loads nothing is not a pass over the data
+            paths.append((instrs[first].address, path, len(path) * element_bytes / loaded_bytes(path, load)))
     return paths
 
 
@@ -275,12 +280,40 @@ def kept_set_launches(vocab: int, which: tuple[str, ...] = ("k", "p", "kp", "-")
                     yield name, compile_launch(launcher.kernel, args, options)
 
 
+def cluster_report(vocab: int, dtype: torch.dtype, cfg: launch.LaunchConfig, show: bool) -> None:
+    """Registers, spills and SASS per logit of each smem loop (max scan; sums: one loop per division) of the
+    cluster forward's variants, compiled by NVRTC for sm_90."""
+    import types
+
+    from rl_logp.kernels import cluster_launch, cuda_source
+
+    cluster, width = cluster_launch.cluster_width(vocab, dtype.itemsize, cfg.cluster_slice_bytes)
+    print(f"\ncluster forward, {cluster} blocks of {width} columns, {cfg.cluster_threads} threads: registers, spill "
+          "bytes, SASS per logit of its loops in code order (max scan and its remainder; sums: div_rn, reciprocal,"
+          " pair)")
+    for variant in VARIANTS:
+        if variant.temp_mode == fixed_point.TEMP_ROWS.value:
+            continue
+        options = cluster_launch.variant_options(cluster_launch.ELEMENT_CODES[dtype], cluster, variant.entropy,
+                                                 variant.temp_mode != fixed_point.TEMP_NONE.value, cfg.cluster_threads,
+                                                 cfg.cluster_slice_bytes)
+        kernel = types.SimpleNamespace(asm={"cubin": cuda_source.compile_cubin(
+            cluster_launch.SOURCE.read_text(), cluster_launch.KERNEL, "sm_90", options)})
+        regs, local = registers(kernel)
+        paths = loop_paths(kernel, dtype.itemsize, "LDS")
+        print(f"{variant.name:16s} {regs:4d} {local:5d}  " + "  ".join(f"{cost:.2f}" for _, _, cost in paths))
+        if show:
+            for _, path, _ in paths:
+                print(f"    {dict(collections.Counter(ins.opcode.split('.')[0] for ins in path).most_common())}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--show", action="store_true", help="print the opcode mix of each hot loop's path")
     parser.add_argument("--backward", action="store_true", help="also the backward kernel")
+    parser.add_argument("--cluster", action="store_true", help="also the cluster forward (CUDA C++, NVRTC)")
     parser.add_argument("--kept-set", action="store_true", help="also the kept-set kernels (registers, spills, SASS per element)")
     parser.add_argument("--maxnreg", type=int, help="cap the forward's registers per thread (ptxas .maxnreg)")
     for field in ("chunk", "lane", "warps"):
@@ -327,6 +360,8 @@ def main() -> None:
                   f"{len(lean) * dtype.itemsize / loaded_bytes(lean):6.2f} {general:7.2f}")
             if args.show:
                 print(f"    lean: {dict(collections.Counter(ins.opcode.split('.')[0] for ins in lean).most_common())}")
+    if args.cluster:
+        cluster_report(args.vocab, dtype, cfg, args.show)
     if args.kept_set:
         print(f"\nkept set, fp32 x {args.vocab}: registers and spill bytes per thread of each launch, and the SASS"
               " instructions per element of each hot loop's common path (its features), in code order")

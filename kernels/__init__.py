@@ -10,5 +10,9 @@ parameters (`LaunchConfig`); `launcher`: Triton's launch with less host time per
 rollout's top-k/top-p kept set without a sort, and a draw from it given exponential noise (its launches and
 `KeptSetLaunch`), `kept_set_select`: that kernel's per-row selection and last pass;
 `temperature`: the rollout's per-row division by T through an index (vLLM V2).
-Importing this package never needs a GPU; importing its modules needs Triton.
+`cluster_row_stats.cu`: the forward in CUDA C++ with one HBM read per row (a row in the shared memory of a
+cluster of blocks; same bits), launched by `cluster_launch` where `LaunchConfig.cluster_rows` asks for
+it; `cuda_source`: NVRTC compilation and driver launches of CUDA C++ kernels through ctypes.
+Importing this package never needs a GPU; importing its modules needs Triton (`cuda_source` and
+`cluster_launch`: torch alone).
 """

@@ -15,6 +15,7 @@ import functools
 import torch
 import triton
 
+from . import cluster_launch
 from .fixed_point import (
     DIV_IEEE,
     DIV_RECIPROCAL,
@@ -23,6 +24,8 @@ from .fixed_point import (
     QUANT_CAST,
     QUANT_SPLIT,
     SPLIT_HI_BITS,
+    TEMP_NONE,
+    TEMP_ROWS,
     split_constants,
 )
 from .grad import grad_kernel
@@ -62,7 +65,10 @@ class LaunchConfig:
     one per tile either way); ftz:
     libdevice's flush-to-zero `exp` (torch's CUDA `exp` is not flushed: False keeps subnormal results the
     same bits); grad_block, grad_warps: the backward's tile and warps (its general path works in sub-tiles
-    of four columns per thread, `grad_sub`).
+    of four columns per thread, `grad_sub`); cluster_rows: `row_stats` calls of at least this many rows
+    take the cluster forward (`cluster_launch`: one HBM read per row) where it applies (0: never; a call it
+    does not apply to takes the Triton kernels, the same bits); cluster_threads, cluster_slice_bytes: its
+    threads per block and the most bytes of a row one block holds.
     """
 
     chunk: int = 4096
@@ -80,6 +86,9 @@ class LaunchConfig:
     ftz: bool = False
     grad_block: int = 4096
     grad_warps: int = 4
+    cluster_rows: int = 0
+    cluster_threads: int = 256
+    cluster_slice_bytes: int = 98304
 
 
 @functools.lru_cache(maxsize=8)
@@ -192,8 +201,15 @@ def row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, temp
     (int64 [n], or [n, K] contiguous with out_logp [n, K]; given with out_logp), with `entropy` the
     entropy, and into `out_full` (fp32 [n, V], last dimension contiguous) every column's logprob.
     `cfg.two_pass` needs out_max. Whole rows, or for at most `cfg.split_rows` rows, when captured in a CUDA
-    graph (or with `cfg.split_eager`), the split plan."""
+    graph (or with `cfg.split_eager`), the split plan; for at least `cfg.cluster_rows` rows, the cluster
+    forward where it applies."""
     outs = (out_max, out_log_sum, out_lse, out_logp, out_ent)
+    if (cfg.cluster_rows and x.shape[0] >= cfg.cluster_rows and not cfg.two_pass
+            and cluster_launch.applies(x, labels, temp_mode == TEMP_ROWS.value, bits, out_full, cfg.cluster_slice_bytes)):
+        with on_device(x):
+            cluster_launch.row_stats_cluster(x, labels, None if temp_mode == TEMP_NONE.value else t_scalar, entropy,
+                                             *outs, cfg.cluster_threads, cfg.cluster_slice_bytes)
+        return
     ranges, span = 1, 0
     if x.shape[0] <= cfg.split_rows and (cfg.split_eager or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
         ranges, span = split_ranges(x.shape[0], x.shape[1], x.device.index if x.is_cuda else None, cfg)

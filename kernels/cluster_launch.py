@@ -1,0 +1,106 @@
+"""Launches of the cluster forward (`cluster_row_stats.cu`: one HBM read per row, a row in the shared
+memory of a cluster of blocks): compiled by NVRTC for the GPU at hand once per variant, loaded and
+launched through the CUDA driver (`cuda_source`; the cluster size is fixed at compile time, so a plain
+launch does).
+Tensors and integers in, preallocated outputs written; no allocation, no host sync, capturable in a
+CUDA graph. Same bits as `row_stats_kernel` (the kernel's header says why).
+
+`applies` says whether a `launch.row_stats` call can take it: whole rows on one device (M, L, lse, logp
+of one int64 label per row, entropy), no per-row temperature, no full-vocabulary output, F = 40, on a GPU
+of compute capability 9.0 or more, with rows the bulk copies can take (16-byte aligned, a multiple of 16
+bytes long) and a vocabulary that 8 blocks' shared memory holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import pathlib
+
+import torch
+
+from . import cuda_source
+
+SOURCE = pathlib.Path(__file__).with_name("cluster_row_stats.cu")
+KERNEL = "cluster_row_stats"
+ELEMENT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+CLUSTERS = (2, 4, 8)  # blocks per row tried, fewest first (8: the portable cluster size's limit)
+FRACTION_BITS = 40  # the kernel's fixed point, F
+SHARED_PER_SM = 233472  # bytes of shared memory of an H100/H200 SM (228 KB; a block takes at most 227 KB)
+BLOCK_OVERHEAD = 4096  # a block's shared memory beside its slice: its own (1280 bytes with the 1 KB reserved), rounded up
+
+
+def blocks_per_sm(slice_bytes: int) -> int:
+    """Blocks with slices of `slice_bytes` one SM holds: the number the registers must allow."""
+    return max(1, SHARED_PER_SM // (slice_bytes + BLOCK_OVERHEAD))
+
+
+def cluster_width(n_cols: int, element_size: int, slice_bytes: int) -> tuple[int, int] | None:
+    """(blocks per row, columns per block): the fewest blocks (`CLUSTERS`) whose slices, whole 16-byte
+    vectors, hold at most `slice_bytes` each; None where 8 blocks do not."""
+    per_vector = 16 // element_size
+    for cluster in CLUSTERS:
+        width = -(-n_cols // (cluster * per_vector)) * per_vector
+        if width * element_size <= slice_bytes:
+            return cluster, width
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def applies(x: torch.Tensor, labels: torch.Tensor | None, per_row_temperature: bool, bits: int,
+            out_full: torch.Tensor | None, slice_bytes: int) -> bool:
+    """Whether `row_stats_cluster` can compute this call (see the module docstring)."""
+    if not x.is_cuda or x.dtype not in ELEMENT_CODES or x.dim() != 2 or per_row_temperature or bits != FRACTION_BITS:
+        return False
+    if out_full is not None or (labels is not None and (labels.dim() != 1 or labels.dtype != torch.int64
+                                                          or not labels.is_contiguous())):
+        return False
+    size = x.element_size()
+    n, vocab = x.shape
+    if not (n and vocab) or x.stride(1) != 1 or x.data_ptr() % 16 or (x.stride(0) * size) % 16 or (vocab * size) % 16:
+        return False
+    return _capability(x.device.index)[0] >= 9 and cluster_width(vocab, size, slice_bytes) is not None
+
+
+def variant_options(element: int, cluster: int, entropy: bool, temperature: bool, threads: int,
+                    slice_bytes: int) -> list[str]:
+    """NVRTC's options for one variant of the kernel (its parameters are macros; no fp contraction)."""
+    return ["-fmad=false", f"-DELEM={element}", f"-DCLUSTER={cluster}", f"-DTHREADS={threads}",
+            f"-DMIN_BLOCKS={blocks_per_sm(slice_bytes)}", f"-DENTROPY={int(entropy)}", f"-DTEMP={int(temperature)}"]
+
+
+@functools.lru_cache(maxsize=64)
+def _function(device_index: int, element: int, cluster: int, entropy: bool, temperature: bool, threads: int,
+              slice_bytes: int) -> cuda_source.Function:
+    """One variant, compiled for the device's compute capability and loaded on it."""
+    major, minor = _capability(device_index)
+    cubin = cuda_source.compile_cubin(SOURCE.read_text(), KERNEL, f"sm_{major}{minor}",
+                                      variant_options(element, cluster, entropy, temperature, threads, slice_bytes))
+    with torch.cuda.device(device_index):
+        return cuda_source.Function(cubin, KERNEL, slice_bytes)
+
+
+def _pointer(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(None if t is None else t.data_ptr())
+
+
+def row_stats_cluster(x: torch.Tensor, labels: torch.Tensor | None, t_scalar: float | None, entropy: bool,
+                      out_max: torch.Tensor | None, out_log_sum: torch.Tensor | None, out_lse: torch.Tensor | None,
+                      out_logp: torch.Tensor | None, out_ent: torch.Tensor | None, threads: int,
+                      slice_bytes: int) -> None:
+    """`launch.row_stats` of a call `applies` accepts (with the same `slice_bytes`): each given output
+    (fp32 [n]) written; `t_scalar` None: no temperature; `threads` per block. The caller makes x's device
+    current."""
+    n, vocab = x.shape
+    size = x.element_size()
+    cluster, width = cluster_width(vocab, size, slice_bytes)
+    function = _function(x.device.index, ELEMENT_CODES[x.dtype], cluster, entropy, t_scalar is not None, threads,
+                         slice_bytes)
+    function.launch(n * cluster, threads, width * size, torch.cuda.current_stream(x.device).cuda_stream, [
+        _pointer(x), ctypes.c_int64(x.stride(0) * size), _pointer(labels), ctypes.c_float(1.0 if t_scalar is None else t_scalar),
+        _pointer(out_max), _pointer(out_log_sum), _pointer(out_lse), _pointer(out_logp),
+        _pointer(out_ent if entropy else None), ctypes.c_int32(vocab), ctypes.c_int32(width)])

@@ -1,0 +1,346 @@
+// One HBM read per row: the forward's row statistics (M, L, lse, logp of one label, entropy) with a row
+// held in the shared memory of a cluster of CLUSTER thread blocks, a slice of WIDTH columns each.
+//
+// The Triton forward (`row_stats.py`) reads a row twice, once for its max and once for the sums, and at
+// 5 programs per SM the second read mostly misses L2. Here each block copies its slice into shared
+// memory once (bulk asynchronous copies), scans it for the max, pushes its max into every block of
+// the cluster (distributed shared memory), and after a cluster barrier sums the fixed-point terms of
+// its slice from shared memory; the blocks push their sums to block 0, which finishes the row.
+//
+// Same operations as the Triton kernels, so the same bits: libdevice's expf (what `exact_exp` calls),
+// the max in the logits' own type (exact, NaN-propagating), z = x / T the IEEE quotient (div_rn, or the
+// reciprocal and one fma correction where `row_reciprocal`'s range holds), the terms
+// trunc(e 2^40) = hi 2^20 + lo from two round-toward-zero adds summed as uint32 bit patterns
+// (`split_terms`, `lane_total`), and `finalize_row`'s finish in fp64. Compiled by NVRTC with
+// -fmad=false (no contraction the Triton kernels, compiled without fp fusion, lack); parameters:
+//   ELEM: 0 bf16, 1 fp16, 2 fp32; CLUSTER: blocks per row; THREADS: threads per block;
+//   MIN_BLOCKS: blocks per SM to fit in registers; ENTROPY: 0/1; TEMP: 0 none, 1 one float T for every row.
+// The host (`cluster_launch.py`) checks what the copies need: 16-byte aligned rows, a row's bytes and
+// a slice's a multiple of 16.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#if ELEM == 2
+#define ESIZE 4
+#else
+#define ESIZE 2
+#endif
+
+#define WARPS (THREADS / 32)
+#define COPY_BYTES 32768
+#define HI_BIAS 8.0f            // 2^(23 - 20): the split's high part, trunc(t 2^20)
+#define LO_BIAS 7.62939453125e-06f  // 2^(23 - 40)
+#define HI_PATTERN 0x41000000u
+#define LO_PATTERN 0x37000000u
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+__device__ __forceinline__ u32 max_nan_pair(u32 a, u32 b) {
+  u32 d;
+#if ELEM == 0
+  asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+#else
+  asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+#endif
+  return d;
+}
+
+__device__ __forceinline__ float half_to_float(u32 bits16) {
+  float f;
+  unsigned short h = (unsigned short)bits16;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+// The two logits of a 16-bit pair as fp32 (exact).
+__device__ __forceinline__ void widen_pair(u32 w, float& a, float& b) {
+#if ELEM == 0
+  a = __int_as_float(w << 16);
+  b = __int_as_float(w & 0xffff0000u);
+#else
+  a = half_to_float(w & 0xffffu);
+  b = half_to_float(w >> 16);
+#endif
+}
+
+__device__ __forceinline__ float load_logit(const unsigned char* row, i64 col) {
+#if ELEM == 0
+  return __int_as_float(((u32)((const unsigned short*)row)[col]) << 16);
+#elif ELEM == 1
+  return half_to_float(((const unsigned short*)row)[col]);
+#else
+  return ((const float*)row)[col];
+#endif
+}
+
+// Cluster barriers, each thread arriving on its own (not `.aligned`: no warp has to be converged there).
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
+
+__device__ __forceinline__ void push_float(const float* local_slot, u32 rank, float v) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local_slot)), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(v) : "memory");
+}
+
+__device__ __forceinline__ void push_i64(const i64* local_slot, u32 rank, i64 v) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local_slot)), "r"(rank));
+  asm volatile("st.shared::cluster.s64 [%0], %1;" :: "r"(remote), "l"(v) : "memory");
+}
+
+// z = x / T, the IEEE quotient as the Triton kernels form it: none (DIV 0), the reciprocal and one fma
+// correction (DIV 1, `scale_logits` without the pair), div_rn (DIV 2), fma(x, hi, x lo) with `row_divisor`'s
+// pair for 16-bit logits (DIV 3; `inv_t` holds hi, `inv_lo` lo).
+template <int DIV>
+__device__ __forceinline__ float divide(float x, float t, float inv_t, float inv_lo) {
+  if (DIV == 3) {
+    return fmaf(x, inv_t, x * inv_lo);
+  } else if (DIV == 1) {
+    float q = x * inv_t;
+    return fmaxf(fmaf(fmaf(-q, t, x), inv_t, q), -__int_as_float(0x7f800000));
+  } else if (DIV == 2) {
+    return __fdiv_rn(x, t);
+  }
+  return x;
+}
+
+struct Sums {
+  u32 s_hi, s_lo, e_hi, e_lo;
+};
+
+template <int DIV>
+__device__ __forceinline__ void add_term(Sums& acc, float x, float t, float inv_t, float inv_lo, float shift) {
+  float z = divide<DIV>(x, t, inv_t, inv_lo);
+  float nd = shift - z;
+  float e = expf(nd * -1.0f);
+  float hi = __fadd_rz(e, HI_BIAS);
+  float lo = __fadd_rz(e, (HI_BIAS + LO_BIAS) - hi);
+  acc.s_hi += __float_as_uint(hi);
+  acc.s_lo += __float_as_uint(lo);
+#if ENTROPY
+  float u = e * fminf(nd, 200.0f);
+  float uhi = __fadd_rz(u, HI_BIAS);
+  float ulo = __fadd_rz(u, (HI_BIAS + LO_BIAS) - uhi);
+  acc.e_hi += __float_as_uint(uhi);
+  acc.e_lo += __float_as_uint(ulo);
+#endif
+}
+
+// The exact sum of n_terms split terms (`lane_total`: each pattern minus its bias).
+__device__ __forceinline__ i64 total(u32 hi, u32 lo, u32 n_terms) {
+  return ((i64)(u64)(hi - n_terms * HI_PATTERN) << 20) + (i64)(u64)(lo - n_terms * LO_PATTERN);
+}
+
+template <int DIV>
+__device__ __forceinline__ Sums slice_sums(const uint4* v, int n_vec, float t, float inv_t, float inv_lo, float shift) {
+  Sums acc = {0u, 0u, 0u, 0u};
+  for (int i = threadIdx.x; i < n_vec; i += THREADS) {
+    uint4 w = v[i];
+#if ELEM == 2
+    add_term<DIV>(acc, __uint_as_float(w.x), t, inv_t, inv_lo, shift);
+    add_term<DIV>(acc, __uint_as_float(w.y), t, inv_t, inv_lo, shift);
+    add_term<DIV>(acc, __uint_as_float(w.z), t, inv_t, inv_lo, shift);
+    add_term<DIV>(acc, __uint_as_float(w.w), t, inv_t, inv_lo, shift);
+#else
+    u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float a, b;
+      widen_pair(words[k], a, b);
+      add_term<DIV>(acc, a, t, inv_t, inv_lo, shift);
+      add_term<DIV>(acc, b, t, inv_t, inv_lo, shift);
+    }
+#endif
+  }
+  return acc;
+}
+
+extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, MIN_BLOCKS)
+cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i64* __restrict__ labels, float t,
+                  float* out_max, float* out_log_sum, float* out_lse, float* out_logp, float* out_ent,
+                  int n_cols, int width) {
+  extern __shared__ __align__(128) unsigned char slice[];
+  __shared__ __align__(8) u64 full;
+  __shared__ float peer_max[CLUSTER];
+  __shared__ i64 peer_s[CLUSTER];
+  __shared__ i64 peer_e[CLUSTER];
+  __shared__ float warp_max[WARPS];
+  __shared__ i64 warp_s[WARPS];
+  __shared__ i64 warp_e[WARPS];
+
+  u32 rank;
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  const i64 row = blockIdx.x / CLUSTER;
+  const unsigned char* x_row = x + row * stride_bytes;
+  const int col0 = (int)rank * width;
+  const int cols = max(0, min(width, n_cols - col0));
+  const u32 bytes = (u32)cols * ESIZE;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  // Start the copy of this block's slice; the cluster's first barrier (relaxed: it orders nothing but
+  // the peers' start) overlaps it.
+  if (threadIdx.x == 0 && bytes) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&full)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(&full)), "r"(bytes) : "memory");
+    const unsigned char* src = x_row + (i64)col0 * ESIZE;
+    for (u32 off = 0; off < bytes; off += COPY_BYTES) {
+      u32 n = min(bytes - off, (u32)COPY_BYTES);
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   :: "r"(smem_addr(slice + off)), "l"(src + off), "r"(n), "r"(smem_addr(&full)) : "memory");
+    }
+  }
+  cluster_arrive_relaxed();
+  __syncthreads();
+  if (bytes) {
+    // A copy that never lands traps (a launch error) after about 2^30 polls instead of hanging the GPU.
+    u32 done = 0;
+    for (u32 polls = 0; !done; ++polls) {
+      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+                   : "=r"(done) : "r"(smem_addr(&full)) : "memory");
+      if (polls == (1u << 30)) asm volatile("trap;");
+    }
+  }
+
+  // The slice's max in the logits' own type (exact, NaN-propagating), then fp32.
+  const uint4* v = (const uint4*)slice;
+  const int n_vec = (int)(bytes / 16);
+  float m = -__int_as_float(0x7f800000);
+#if ELEM == 2
+  for (int i = threadIdx.x; i < n_vec; i += THREADS) {
+    uint4 w = v[i];
+    m = max_nan(m, max_nan(max_nan(__uint_as_float(w.x), __uint_as_float(w.y)),
+                           max_nan(__uint_as_float(w.z), __uint_as_float(w.w))));
+  }
+#else
+  u32 pair = ELEM == 0 ? 0xff80ff80u : 0xfc00fc00u;  // -inf, -inf
+  for (int i = threadIdx.x; i < n_vec; i += THREADS) {
+    uint4 w = v[i];
+    pair = max_nan_pair(pair, max_nan_pair(max_nan_pair(w.x, w.y), max_nan_pair(w.z, w.w)));
+  }
+  float a, b;
+  widen_pair(pair, a, b);
+  m = max_nan(a, b);
+#endif
+  for (int o = 16; o; o >>= 1) m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) warp_max[warp] = m;
+  __syncthreads();
+  m = warp_max[0];
+  for (int w = 1; w < WARPS; ++w) m = max_nan(m, warp_max[w]);
+  cluster_wait();  // every block of the cluster has started: its shared memory can be written
+  if (threadIdx.x < CLUSTER) push_float(&peer_max[rank], threadIdx.x, m);
+  cluster_arrive();
+  cluster_wait();
+  m = peer_max[0];
+  for (int r = 1; r < CLUSTER; ++r) m = max_nan(m, peer_max[r]);
+
+  // `scaled_max`: M = m / T, -0.0 made +0.0.
+  float row_max = (TEMP ? __fdiv_rn(m, t) : m) + 0.0f;
+  const float neg_inf = -__int_as_float(0x7f800000);
+  float shift = row_max == neg_inf ? 0.0f : row_max;
+
+  Sums acc;
+  if (TEMP) {
+    // `row_reciprocal`'s range: there the reciprocal and one fma give the IEEE quotient's bits.
+    float am = fabsf(row_max);
+    bool ok = t >= 9.765625e-04f && t <= 1.2676506002282294e30f && am >= 8.673617379884035e-19f &&
+              am <= 1.2676506002282294e30f;
+    float inv_t = ok ? __fdiv_rn(1.0f, t) : 0.0f;
+#if ELEM != 2
+    // `row_divisor`'s pair hi + lo = 1/T, kept if fma(x, hi, x lo) is the IEEE x / T on every significand
+    // of the logits' type (FRACTION_BITS: bf16 7, fp16 10).
+    const int fraction_bits = ELEM == 0 ? 7 : 10;
+    bool above = fmaf(-inv_t, t, 1.0f) < 0.0f;
+    float down = above ? __int_as_float(__float_as_int(inv_t) - 1) : inv_t;
+    float rest = __fdiv_rn(fmaf(-down, t, 1.0f), t);
+    rest = rest > 0.0f ? rest : down * 9.313225746154785e-10f;
+    int wrong = 0;
+    for (int i = threadIdx.x; i < (1 << fraction_bits); i += THREADS) {
+      float sig = 1.0f + (float)i * (1.0f / (1 << fraction_bits));
+      wrong |= fmaf(sig, down, sig * rest) != __fdiv_rn(sig, t);
+    }
+    wrong = __syncthreads_or(wrong);
+    if (inv_t > 0.0f && down >= 8.271806125530277e-25f && rest >= down * 9.094947017729282e-13f && !wrong) {
+      acc = slice_sums<3>(v, n_vec, t, down, rest, shift);
+    } else
+#endif
+    if (ok) {
+      acc = slice_sums<1>(v, n_vec, t, inv_t, 0.0f, shift);
+    } else {
+      acc = slice_sums<2>(v, n_vec, t, 0.0f, 0.0f, shift);
+    }
+  } else {
+    acc = slice_sums<0>(v, n_vec, t, 0.0f, 0.0f, shift);
+  }
+  // Terms this thread added: ESIZE-byte logits, 16 bytes per vector.
+  const u32 n_terms = (u32)(((n_vec - (int)threadIdx.x + THREADS - 1) / THREADS) * (16 / ESIZE));
+  i64 s = threadIdx.x < n_vec ? total(acc.s_hi, acc.s_lo, n_terms) : 0;
+  i64 e = threadIdx.x < n_vec ? total(acc.e_hi, acc.e_lo, n_terms) : 0;
+  for (int o = 16; o; o >>= 1) {
+    s += __shfl_xor_sync(0xffffffffu, s, o);
+    e += __shfl_xor_sync(0xffffffffu, e, o);
+  }
+  if (lane == 0) {
+    warp_s[warp] = s;
+    warp_e[warp] = e;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    s = 0;
+    e = 0;
+    for (int w = 0; w < WARPS; ++w) {
+      s += warp_s[w];
+      e += warp_e[w];
+    }
+    push_i64(&peer_s[rank], 0, s);
+    push_i64(&peer_e[rank], 0, e);
+  }
+  cluster_arrive();
+  cluster_wait();
+  if (rank != 0 || threadIdx.x != 0) return;
+
+  // `finalize_row`, in the same operations.
+  i64 fixed = 0, entropy_fixed = 0;
+  for (int r = 0; r < CLUSTER; ++r) {
+    fixed += peer_s[r];
+    entropy_fixed += peer_e[r];
+  }
+  entropy_fixed = 0 - entropy_fixed;
+  const float nan = __int_as_float(0x7fc00000);
+  double sd = (double)fixed;
+  double log_sum = log(sd * (double)9.094947017729282e-13f);  // 2^-40
+  bool bad = (row_max != row_max) || (row_max == __int_as_float(0x7f800000));
+  float log_sum32 = bad ? nan : (float)log_sum;
+  if (out_max) out_max[row] = row_max;
+  if (out_log_sum) out_log_sum[row] = log_sum32;
+  if (out_lse) out_lse[row] = bad ? nan : (float)((double)row_max + log_sum);
+  if (out_logp) {
+    i64 label = labels[row];
+    bool owned = label >= 0 && label < n_cols;
+    float target = load_logit(x_row, owned ? label : 0);
+    if (TEMP) target = __fdiv_rn(target, t);
+    float logp = row_max != neg_inf ? (target - row_max) - log_sum32 : 0.0f;
+    out_logp[row] = owned ? logp : 0.0f;
+  }
+#if ENTROPY
+  if (out_ent) {
+    double h = log_sum - (double)entropy_fixed / sd;
+    float h32 = (float)(fixed > 0 ? h : 0.0);
+    out_ent[row] = bad ? nan : h32;
+  }
+#endif
+}

@@ -1,0 +1,136 @@
+"""The cluster forward (`kernels/cluster_row_stats.cu`, one HBM read per row): its slicing and its
+compilation for sm_90 on the CPU (NVRTC needs no GPU), and on a GPU of compute capability 9.0 or more
+the Triton forward's bits in every output, in eager calls and CUDA-graph replays, and the Triton path for
+the calls it does not take."""
+
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+import torch
+from helpers import HAS_CUDA, engine_request, mismatches, model_like_logits, random_labels
+
+from rl_logp.kernels import cluster_launch, cuda_source
+from rl_logp.kernels.launch import LaunchConfig
+
+HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] >= 9
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a GPU of compute capability 9.0 or more (thread block clusters)")
+
+
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_cluster_slices_cover_the_row_in_whole_vectors(element_size):
+    per_vector = 16 // element_size
+    for vocab in (8, 24, 1000, 32000, 128256, 151936, 262144, 1 << 20):
+        for slice_bytes in (16384, 49152, 98304):
+            plan = cluster_launch.cluster_width(vocab, element_size, slice_bytes)
+            if plan is None:  # 8 blocks cannot hold it
+                assert -(-vocab // (8 * per_vector)) * per_vector * element_size > slice_bytes
+                continue
+            cluster, width = plan
+            assert width % per_vector == 0 and width * element_size <= slice_bytes
+            assert cluster * width >= vocab > cluster * (width - per_vector)  # the narrowest such slices
+            fewer = [c for c in cluster_launch.CLUSTERS if c < cluster]
+            assert all(-(-vocab // (c * per_vector)) * per_vector * element_size > slice_bytes for c in fewer)
+
+
+def test_cluster_kernel_compiles_for_sm90_without_spills():
+    """Every variant compiles with NVRTC for sm_90, in the registers its blocks per SM allow, without local
+    memory (register spills)."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    source = cluster_launch.SOURCE.read_text()
+    for threads, slice_bytes in ((256, 98304), (512, 98304), (256, 49152)):
+        limit = 65536 // (threads * cluster_launch.blocks_per_sm(slice_bytes))
+        for element in cluster_launch.ELEMENT_CODES.values():
+            for entropy in (False, True):
+                for temperature in (False, True):
+                    options = cluster_launch.variant_options(element, 4, entropy, temperature, threads, slice_bytes)
+                    cubin = cuda_source.compile_cubin(source, cluster_launch.KERNEL, "sm_90", options)
+                    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                        f.write(cubin)
+                        f.flush()
+                        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
+                                               check=True).stdout
+                    regs, local = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "LOCAL"))
+                    assert regs <= limit and local == 0, (options, regs, local)
+
+
+def test_a_compile_error_names_the_kernel_and_shows_the_log():
+    with pytest.raises(RuntimeError, match=r"(?s)compilation of broken failed.*undefined_name"):
+        cuda_source.compile_cubin('extern "C" __global__ void broken() { undefined_name(); }', "broken", "sm_90", [])
+
+
+def _stats(x, labels, temperature, cluster_rows, **cfg):
+    from rl_logp.engines.fused import FusedEngine
+
+    engine = FusedEngine(dataclasses.replace(LaunchConfig(), cluster_rows=cluster_rows, **cfg))
+    s = engine.row_stats(engine_request(x, labels, temperature, engine="fused", entropy=True))
+    return [s.row_max, s.log_sum, s.lse, s.logp, s.entropy]
+
+
+def _edge_rows(x, labels):
+    vocab = x.shape[1]
+    x[0] = 0.0  # M = 0: outside the reciprocal's range (div_rn), every term exactly 1
+    x[1] = float("-inf")
+    x[2, 5:] = float("-inf")
+    x[3, 17] = float("nan")
+    x[4, vocab - 1] = float("inf")
+    x[5, : vocab // 2] = -1e30 if x.dtype == torch.float32 else -3e38 if x.dtype == torch.bfloat16 else -6e4
+    labels[6], labels[7], labels[8], labels[9] = -100, vocab, vocab - 1, 0
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("vocab", [151936, 128256, 32000, 1024, 262144])
+def test_cluster_forward_gives_the_triton_bits(dtype, vocab):
+    n = 37
+    x = model_like_logits(n, vocab, dtype, "cuda", seed=vocab)
+    labels = random_labels(n, vocab, "cuda", seed=vocab)
+    _edge_rows(x, labels)
+    fits = cluster_launch.cluster_width(vocab, x.element_size(), LaunchConfig().cluster_slice_bytes) is not None
+    assert cluster_launch.applies(x, labels, False, 40, None, LaunchConfig().cluster_slice_bytes) == fits
+    for temperature in (None, 0.7, 1.3, 2.0**-11, 0.1):
+        want = _stats(x, labels, temperature, 0)
+        for cfg in ({}, {"cluster_threads": 512}, {"cluster_slice_bytes": 49152}):
+            got = _stats(x, labels, temperature, 1, **cfg)
+            for name, a, b in zip(("M", "L", "lse", "logp", "entropy"), got, want, strict=True):
+                assert mismatches(a, b) == 0, (name, temperature, cfg)
+
+
+@needs_hopper
+def test_cluster_forward_replays_in_a_cuda_graph():
+    x = model_like_logits(64, 151936, torch.bfloat16, "cuda", seed=1)
+    labels = random_labels(64, 151936, "cuda", seed=1)
+    eager = _stats(x, labels, 0.7, 1)
+    static = x.clone()
+    _stats(static, labels, 0.7, 1)  # compiled and loaded before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _stats(static, labels, 0.7, 1)
+    static.copy_(model_like_logits(64, 151936, torch.bfloat16, "cuda", seed=2))
+    graph.replay()
+    fresh = _stats(static, labels, 0.7, 0)
+    for got, want, before in zip(captured, fresh, eager, strict=True):
+        assert mismatches(got, want) == 0 and mismatches(got, before) > 0
+
+
+@needs_hopper
+def test_calls_the_cluster_forward_cannot_take_keep_the_triton_bits():
+    vocab = 151936
+    x = model_like_logits(9, vocab + 8, torch.bfloat16, "cuda", seed=3)
+    labels = random_labels(9, vocab, "cuda", seed=3)
+    slice_bytes = LaunchConfig().cluster_slice_bytes
+    cases = {
+        "unaligned rows": (x[:, 1:vocab + 1], labels, None),
+        "odd width": (x[:, : vocab + 3], labels, None),
+        "int32 labels": (x[:, :vocab], labels.int(), None),
+        "per-row temperature": (x[:, :vocab], labels, torch.linspace(0.5, 1.5, 9, device="cuda")),
+    }
+    for name, (logits, ids, temperature) in cases.items():
+        assert not cluster_launch.applies(logits, ids, isinstance(temperature, torch.Tensor), 40, None, slice_bytes), name
+        for a, b in zip(_stats(logits, ids, temperature, 1), _stats(logits, ids, temperature, 0), strict=True):
+            assert mismatches(a, b) == 0, name
