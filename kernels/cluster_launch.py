@@ -88,19 +88,48 @@ def _pointer(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(None if t is None else t.data_ptr())
 
 
+class ClusterLaunch:
+    """A launch of the cluster forward for one call's signature (shapes, strides, dtype, device, settings,
+    the outputs asked for): the variant, grid and scalar arguments worked out once. `run(x, labels)`
+    launches it over the tensors it was built with; as a plan's bound launch (`launch.bind_row_stats`),
+    `bound((x, labels, out_logp))` launches it over new tensors of the same signature and returns True, or
+    returns False launching nothing where x is not 16-byte aligned (the bulk copies need it) or another
+    device is current. The caller makes x's device current."""
+
+    __slots__ = ("args", "device", "function", "grid", "shared", "threads")
+
+    def __init__(self, x: torch.Tensor, labels: torch.Tensor | None, t_scalar: float | None, entropy: bool,
+                 outs: tuple[torch.Tensor | None, ...], threads: int, slice_bytes: int) -> None:
+        n, vocab = x.shape
+        size = x.element_size()
+        cluster, width = cluster_width(vocab, size, slice_bytes)
+        self.device, self.threads, self.grid, self.shared = x.device.index, threads, n * cluster, width * size
+        self.function = _function(self.device, ELEMENT_CODES[x.dtype], cluster, entropy, t_scalar is not None, threads,
+                                  slice_bytes)
+        out_max, out_log_sum, out_lse, out_logp, out_ent = outs
+        self.args = [_pointer(x), ctypes.c_int64(x.stride(0) * size), _pointer(labels),
+                     ctypes.c_float(1.0 if t_scalar is None else t_scalar), _pointer(out_max), _pointer(out_log_sum),
+                     _pointer(out_lse), _pointer(out_logp), _pointer(out_ent if entropy else None),
+                     ctypes.c_int32(vocab), ctypes.c_int32(width)]
+
+    def run(self, args: list) -> None:
+        self.function.launch(self.grid, self.threads, self.shared, torch.cuda.current_stream(self.device).cuda_stream,
+                             args)
+
+    def __call__(self, tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
+        x, labels, out_logp = tensors
+        if x.data_ptr() & 15 or torch.cuda.current_device() != self.device:
+            return False
+        args = self.args.copy()  # a call's own pointers: plans may run on several threads
+        args[0], args[2], args[7] = _pointer(x), _pointer(labels), _pointer(out_logp)
+        self.run(args)
+        return True
+
+
 def row_stats_cluster(x: torch.Tensor, labels: torch.Tensor | None, t_scalar: float | None, entropy: bool,
-                      out_max: torch.Tensor | None, out_log_sum: torch.Tensor | None, out_lse: torch.Tensor | None,
-                      out_logp: torch.Tensor | None, out_ent: torch.Tensor | None, threads: int,
-                      slice_bytes: int) -> None:
-    """`launch.row_stats` of a call `applies` accepts (with the same `slice_bytes`): each given output
-    (fp32 [n]) written; `t_scalar` None: no temperature; `threads` per block. The caller makes x's device
-    current."""
-    n, vocab = x.shape
-    size = x.element_size()
-    cluster, width = cluster_width(vocab, size, slice_bytes)
-    function = _function(x.device.index, ELEMENT_CODES[x.dtype], cluster, entropy, t_scalar is not None, threads,
-                         slice_bytes)
-    function.launch(n * cluster, threads, width * size, torch.cuda.current_stream(x.device).cuda_stream, [
-        _pointer(x), ctypes.c_int64(x.stride(0) * size), _pointer(labels), ctypes.c_float(1.0 if t_scalar is None else t_scalar),
-        _pointer(out_max), _pointer(out_log_sum), _pointer(out_lse), _pointer(out_logp),
-        _pointer(out_ent if entropy else None), ctypes.c_int32(vocab), ctypes.c_int32(width)])
+                      outs: tuple[torch.Tensor | None, ...], threads: int, slice_bytes: int) -> None:
+    """`launch.row_stats` of a call `applies` accepts (with the same `slice_bytes`): each given output of
+    `outs` (M, L, lse, logp, entropy; fp32 [n]) written; `t_scalar` None: no temperature; `threads` per block.
+    The caller makes x's device current."""
+    call = ClusterLaunch(x, labels, t_scalar, entropy, outs, threads, slice_bytes)
+    call.run(call.args)

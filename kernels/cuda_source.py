@@ -102,5 +102,5 @@ class Function:
     def launch(self, grid: int, block: int, shared: int, stream: int, args: Sequence[ctypes._SimpleCData]) -> None:
         """One launch on `stream` (a CUDA stream handle) with `args`, each a ctypes value of the kernel's
         parameter type."""
-        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        params = (ctypes.c_void_p * len(args))(*map(ctypes.addressof, args))
         _check(_driver().cuLaunchKernel(self.handle, grid, 1, 1, block, 1, 1, shared, stream, params, None), "launch")

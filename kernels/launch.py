@@ -193,6 +193,13 @@ def _split_row_stats(x, labels, temp_mode, temp_rows, t_scalar, bits, entropy, o
         range_launch((n, ranges), (*head, *tail), options)
 
 
+def _takes_cluster(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, bits: int,
+                   out_full: torch.Tensor | None, cfg: LaunchConfig) -> bool:
+    """Whether `row_stats` takes the cluster forward: `cfg.cluster_rows` rows or more, where it applies."""
+    return bool(cfg.cluster_rows) and x.shape[0] >= cfg.cluster_rows and not cfg.two_pass and cluster_launch.applies(
+        x, labels, temp_mode == TEMP_ROWS.value, bits, out_full, cfg.cluster_slice_bytes)
+
+
 def row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, temp_rows: torch.Tensor | None,
               t_scalar: float, bits: int, entropy: bool, out_max: torch.Tensor | None,
               out_log_sum: torch.Tensor | None, out_lse: torch.Tensor | None, out_logp: torch.Tensor | None,
@@ -204,11 +211,10 @@ def row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, temp
     graph (or with `cfg.split_eager`), the split plan; for at least `cfg.cluster_rows` rows, the cluster
     forward where it applies."""
     outs = (out_max, out_log_sum, out_lse, out_logp, out_ent)
-    if (cfg.cluster_rows and x.shape[0] >= cfg.cluster_rows and not cfg.two_pass
-            and cluster_launch.applies(x, labels, temp_mode == TEMP_ROWS.value, bits, out_full, cfg.cluster_slice_bytes)):
+    if _takes_cluster(x, labels, temp_mode, bits, out_full, cfg):
         with on_device(x):
             cluster_launch.row_stats_cluster(x, labels, None if temp_mode == TEMP_NONE.value else t_scalar, entropy,
-                                             *outs, cfg.cluster_threads, cfg.cluster_slice_bytes)
+                                             outs, cfg.cluster_threads, cfg.cluster_slice_bytes)
         return
     ranges, span = 1, 0
     if x.shape[0] <= cfg.split_rows and (cfg.split_eager or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
@@ -234,13 +240,19 @@ def row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, temp
 
 def bind_row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, t_scalar: float, bits: int,
                    out_logp: torch.Tensor | None, cfg: LaunchConfig,
-                   out_full: torch.Tensor | None = None) -> BoundLaunch | None:
+                   out_full: torch.Tensor | None = None) -> BoundLaunch | cluster_launch.ClusterLaunch | None:
     """An eager `row_stats` of these arguments writing `out_logp` or `out_full` alone (no tensor temperature),
-    as a `BoundLaunch` taking (x, labels, out) (labels given) or (x, out): for a caller that repeats the call
-    with new tensors of the same shapes (a rollout, at every decode step). None where an eager `row_stats`
+    as a `BoundLaunch` taking (x, labels, out) (labels given) or (x, out), or where `row_stats` takes the
+    cluster forward its `ClusterLaunch` taking (x, labels, out): for a caller that repeats the call with new
+    tensors of the same shapes (a rollout, at every decode step). None where an eager `row_stats`
     would launch more than once (`cfg.two_pass`, the split plan with `cfg.split_eager`) or where the launch
     has not yet run (bind after a `row_stats` of these arguments: it compiled the kernel)."""
     n, vocab = x.shape
+    if labels is not None and _takes_cluster(x, labels, temp_mode, bits, out_full, cfg):
+        with on_device(x):
+            return cluster_launch.ClusterLaunch(x, labels, None if temp_mode == TEMP_NONE.value else t_scalar, False,
+                                                (None, None, None, out_logp, None), cfg.cluster_threads,
+                                                cfg.cluster_slice_bytes)
     if cfg.two_pass or (cfg.split_eager and split_ranges(n, vocab, x.device.index if x.is_cuda else None, cfg)[0] > 1):
         return None
     grid, args, options = forward_launch(x, labels, temp_mode, None, t_scalar, None, (None, None, None, out_logp, None),

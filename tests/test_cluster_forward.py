@@ -134,3 +134,32 @@ def test_calls_the_cluster_forward_cannot_take_keep_the_triton_bits():
         assert not cluster_launch.applies(logits, ids, isinstance(temperature, torch.Tensor), 40, None, slice_bytes), name
         for a, b in zip(_stats(logits, ids, temperature, 1), _stats(logits, ids, temperature, 0), strict=True):
             assert mismatches(a, b) == 0, name
+
+
+@needs_hopper
+def test_rollout_plans_take_the_cluster_forward_with_the_triton_bits(monkeypatch):
+    """`logprobs` repeated with new logits of one signature (a decode loop) binds the cluster launch as its
+    plan when the engine's `cluster_rows` asks for it: every call launches it and gives the Triton bits."""
+    import rl_logp
+    from rl_logp import rollout_calls
+    from rl_logp.engines import make_engine
+
+    engine = make_engine("fused", rl_logp.resolve_config(None).chunk_bytes)
+    launches = []
+    run = cluster_launch.ClusterLaunch.run
+    monkeypatch.setattr(cluster_launch.ClusterLaunch, "run", lambda self, args: launches.append(1) or run(self, args))
+    saved = engine.config
+    for temperature in (None, 0.7):
+        rollout_calls.clear()
+        calls = [(model_like_logits(256, 151936, torch.bfloat16, "cuda", seed=s), random_labels(256, 151936, "cuda", s))
+                 for s in range(4)]
+        want = [rl_logp.logprobs(x, y, backend="fused", temperature=temperature) for x, y in calls]
+        engine.config = dataclasses.replace(saved, cluster_rows=128)
+        try:
+            launches.clear()
+            got = [rl_logp.logprobs(x, y, backend="fused", temperature=temperature) for x, y in calls]
+        finally:
+            engine.config = saved
+        assert len(launches) == len(calls) and len(rollout_calls._plans) == 1
+        assert all(mismatches(a, b) == 0 for a, b in zip(got, want, strict=True))
+    rollout_calls.clear()
