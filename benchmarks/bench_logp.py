@@ -114,6 +114,33 @@ def _verl_functions():
     return verl_tf, ""
 
 
+@contextlib.contextmanager
+def fused_launch(**overrides):
+    """The fused engine's launch parameters replaced inside the block (its plans decline, then bind anew)."""
+    from rl_logp.engines import make_engine
+
+    engine = make_engine("fused", rl_logp.resolve_config(None).chunk_bytes)
+    saved = engine.config
+    engine.config = dataclasses.replace(saved, **overrides)
+    try:
+        yield
+    finally:
+        engine.config = saved
+
+
+def with_cluster(found: dict[str, Provider], missing: dict[str, str], call: Provider) -> None:
+    """`call` again as "rl_logp cluster", with the cluster forward (`LaunchConfig.cluster_rows`) where the GPU
+    has thread block clusters: the same public call beside the Triton forward, in the same run."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
+        def clustered(x, y, t, ip):
+            with fused_launch(cluster_rows=1):
+                return call(x, y, t, ip)
+
+        found["rl_logp cluster"] = clustered
+    else:
+        missing["rl_logp cluster"] = "needs a GPU of compute capability 9.0 or more"
+
+
 def logp_providers(smoke: bool) -> tuple[dict[str, Provider], dict[str, str]]:
     found: dict[str, Provider] = {
         "rl_logp": lambda x, y, t, ip: rl_logp.logprobs(x, y, temperature=t, inplace_backward=ip),
@@ -122,6 +149,7 @@ def logp_providers(smoke: bool) -> tuple[dict[str, Provider], dict[str, str]]:
     if smoke:
         found["rl_logp chunked"] = lambda x, y, t, ip: rl_logp.logprobs(x, y, backend="chunked", temperature=t)
     missing: dict[str, str] = {}
+    with_cluster(found, missing, found["rl_logp"])
     try:
         from flash_attn.ops.triton.cross_entropy import cross_entropy_loss
 
@@ -146,22 +174,26 @@ def logp_providers(smoke: bool) -> tuple[dict[str, Provider], dict[str, str]]:
 
 def entropy_providers() -> tuple[dict[str, Provider], dict[str, str]]:
     found: dict[str, Provider] = {"rl_logp": lambda x, y, t, ip: rl_logp.entropy(x, temperature=t)}
+    missing: dict[str, str] = {}
+    with_cluster(found, missing, found["rl_logp"])
     verl_tf, why = _verl_functions()
     if verl_tf is None:
-        return found, {"verl entropy_from_logits (compiled)": why}
+        return found, {**missing, "verl entropy_from_logits (compiled)": why}
     compiled = torch.compile(verl_tf.entropy_from_logits, dynamic=True)
     found["verl entropy_from_logits (compiled)"] = lambda x, y, t, ip: compiled(
         x if t is None else x / _bf16(t).to(x.device))
-    return found, {}
+    return found, missing
 
 
 def both_providers() -> tuple[dict[str, Provider], dict[str, str]]:
     found: dict[str, Provider] = {
         "rl_logp": lambda x, y, t, ip: rl_logp.logprobs_and_entropy(x, y, temperature=t, inplace_backward=ip),
     }
+    missing: dict[str, str] = {}
+    with_cluster(found, missing, found["rl_logp"])
     verl_tf, why = _verl_functions()
     if verl_tf is None:
-        return found, {"verl logprobs + compiled entropy": why}
+        return found, {**missing, "verl logprobs + compiled entropy": why}
     compiled = torch.compile(verl_tf.entropy_from_logits, dynamic=True)
 
     def verl_both(x, y, t, ip):
@@ -169,7 +201,7 @@ def both_providers() -> tuple[dict[str, Provider], dict[str, str]]:
         return compiled(z), verl_tf.logprobs_from_logits(z, y, inplace_backward=False)
 
     found["verl logprobs + compiled entropy"] = verl_both
-    return found, {}
+    return found, missing
 
 
 def _loss(out) -> torch.Tensor:
