@@ -210,7 +210,6 @@ def element_loops(kernel) -> list[tuple[str, float]]:
     return [("+".join(name for name, op in LOOP_FEATURES if any(ins.opcode.startswith(op) for ins in path)) or "load",
              cost) for _, path, cost in loop_paths(kernel, 4)]
 
-
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str
@@ -289,8 +288,9 @@ def cluster_report(vocab: int, dtype: torch.dtype, cfg: launch.LaunchConfig, sho
 
     cluster, width = cluster_launch.cluster_width(vocab, dtype.itemsize, cfg.cluster_slice_bytes)
     print(f"\ncluster forward, {cluster} blocks of {width} columns, {cfg.cluster_threads} threads: registers, spill "
-          "bytes, SASS per logit of its loops in code order (max scan and its remainder; sums: div_rn, reciprocal,"
-          " pair)")
+          "bytes, SASS per logit of each loop over the slice, in code order: max (the max scan), sums (an exp on its "
+          "path), write (a store: every column's logprob); an unrolled loop's remainder and each division's loop "
+          "(pair, reciprocal, div_rn) apart")
     for variant in VARIANTS:
         if variant.temp_mode == fixed_point.TEMP_ROWS.value:
             continue
@@ -301,7 +301,10 @@ def cluster_report(vocab: int, dtype: torch.dtype, cfg: launch.LaunchConfig, sho
             cluster_launch.SOURCE.read_text(), cluster_launch.KERNEL, "sm_90", options)})
         regs, local = registers(kernel)
         paths = loop_paths(kernel, dtype.itemsize, "LDS")
-        print(f"{variant.name:16s} {regs:4d} {local:5d}  " + "  ".join(f"{cost:.2f}" for _, _, cost in paths))
+        kinds = [("sums" if any(i.opcode.startswith("MUFU.EX2") for i in path) else
+                  "write" if any(i.opcode.startswith("ST") for i in path) else "max") for _, path, _ in paths]
+        print(f"{variant.name:16s} {regs:4d} {local:5d}  " + "  ".join(
+            f"{kind} {cost:.2f}" for kind, (_, _, cost) in zip(kinds, paths, strict=True)))
         if show:
             for _, path, _ in paths:
                 print(f"    {dict(collections.Counter(ins.opcode.split('.')[0] for ins in path).most_common())}")

@@ -5,10 +5,11 @@ launch does).
 Tensors and integers in, preallocated outputs written; no allocation, no host sync, capturable in a
 CUDA graph. Same bits as `row_stats_kernel` (the kernel's header says why).
 
-`applies` says whether a `launch.row_stats` call can take it: whole rows on one device (M, L, lse, logp
-of one int64 label per row, entropy), no per-row temperature, no full-vocabulary output, F = 40, on a GPU
-of compute capability 9.0 or more, with rows the bulk copies can take (16-byte aligned, a multiple of 16
-bytes long) and a vocabulary that 8 blocks' shared memory holds.
+`applies` says whether a `launch.row_stats` call can take it: whole rows on one device (M, L, lse, the logp
+of each of a row's int64 labels, entropy, every column's logprob), no per-row temperature, F = 40, on a
+GPU of compute capability 9.0 or more, with rows the bulk copies can take (16-byte aligned, a multiple of
+16 bytes long), a full-vocabulary output the vector stores can take (16-byte aligned rows) and a
+vocabulary that 8 blocks' shared memory holds.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import pathlib
+from collections.abc import Sequence
 
 import torch
 
@@ -56,8 +58,9 @@ def applies(x: torch.Tensor, labels: torch.Tensor | None, per_row_temperature: b
     """Whether `row_stats_cluster` can compute this call (see the module docstring)."""
     if not x.is_cuda or x.dtype not in ELEMENT_CODES or x.dim() != 2 or per_row_temperature or bits != FRACTION_BITS:
         return False
-    if out_full is not None or (labels is not None and (labels.dim() != 1 or labels.dtype != torch.int64
-                                                          or not labels.is_contiguous())):
+    if labels is not None and (labels.dim() not in (1, 2) or labels.dtype != torch.int64 or not labels.is_contiguous()):
+        return False
+    if out_full is not None and (out_full.stride(1) != 1 or out_full.data_ptr() % 16 or (out_full.stride(0) * 4) % 16):
         return False
     size = x.element_size()
     n, vocab = x.shape
@@ -90,16 +93,18 @@ def _pointer(t: torch.Tensor | None) -> ctypes.c_void_p:
 
 class ClusterLaunch:
     """A launch of the cluster forward for one call's signature (shapes, strides, dtype, device, settings,
-    the outputs asked for): the variant, grid and scalar arguments worked out once. `run(x, labels)`
-    launches it over the tensors it was built with; as a plan's bound launch (`launch.bind_row_stats`),
-    `bound((x, labels, out_logp))` launches it over new tensors of the same signature and returns True, or
-    returns False launching nothing where x is not 16-byte aligned (the bulk copies need it) or another
-    device is current. The caller makes x's device current."""
+    the outputs asked for): the variant, grid and scalar arguments worked out once. `run(args)` launches it
+    (`self.args`: over the tensors it was built with); as a plan's bound launch (`launch.bind_row_stats`),
+    `bound(tensors)` launches it over new tensors of the same signature, (x, labels, out_logp) or (x,
+    out_full), and returns True, or returns False launching nothing where x or out_full is not 16-byte
+    aligned (the bulk copies and vector stores need it) or another device is current. The caller makes x's
+    device current."""
 
-    __slots__ = ("args", "device", "function", "grid", "shared", "threads")
+    __slots__ = ("args", "device", "function", "grid", "shared", "slots", "threads")
 
     def __init__(self, x: torch.Tensor, labels: torch.Tensor | None, t_scalar: float | None, entropy: bool,
-                 outs: tuple[torch.Tensor | None, ...], threads: int, slice_bytes: int) -> None:
+                 outs: tuple[torch.Tensor | None, ...], out_full: torch.Tensor | None, threads: int,
+                 slice_bytes: int) -> None:
         n, vocab = x.shape
         size = x.element_size()
         cluster, width = cluster_width(vocab, size, slice_bytes)
@@ -107,29 +112,34 @@ class ClusterLaunch:
         self.function = _function(self.device, ELEMENT_CODES[x.dtype], cluster, entropy, t_scalar is not None, threads,
                                   slice_bytes)
         out_max, out_log_sum, out_lse, out_logp, out_ent = outs
-        self.args = [_pointer(x), ctypes.c_int64(x.stride(0) * size), _pointer(labels),
+        picks = 1 if labels is None or labels.dim() == 1 else labels.shape[1]
+        self.args = [_pointer(x), ctypes.c_int64(x.stride(0) * size), _pointer(labels), ctypes.c_int32(picks),
                      ctypes.c_float(1.0 if t_scalar is None else t_scalar), _pointer(out_max), _pointer(out_log_sum),
-                     _pointer(out_lse), _pointer(out_logp), _pointer(out_ent if entropy else None),
-                     ctypes.c_int32(vocab), ctypes.c_int32(width)]
+                     _pointer(out_lse), _pointer(out_logp), _pointer(out_ent if entropy else None), _pointer(out_full),
+                     ctypes.c_int64(0 if out_full is None else out_full.stride(0)), ctypes.c_int32(vocab),
+                     ctypes.c_int32(width)]
+        # The places of a bound call's tensors: x, then labels if given, then its one output.
+        self.slots = (0, *((2,) if labels is not None else ()), 10 if out_full is not None else 8)
 
     def run(self, args: list) -> None:
         self.function.launch(self.grid, self.threads, self.shared, torch.cuda.current_stream(self.device).cuda_stream,
                              args)
 
-    def __call__(self, tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
-        x, labels, out_logp = tensors
-        if x.data_ptr() & 15 or torch.cuda.current_device() != self.device:
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> bool:
+        if tensors[0].data_ptr() & 15 or tensors[-1].data_ptr() & 15 or torch.cuda.current_device() != self.device:
             return False
         args = self.args.copy()  # a call's own pointers: plans may run on several threads
-        args[0], args[2], args[7] = _pointer(x), _pointer(labels), _pointer(out_logp)
+        for slot, t in zip(self.slots, tensors, strict=True):
+            args[slot] = _pointer(t)
         self.run(args)
         return True
 
 
 def row_stats_cluster(x: torch.Tensor, labels: torch.Tensor | None, t_scalar: float | None, entropy: bool,
-                      outs: tuple[torch.Tensor | None, ...], threads: int, slice_bytes: int) -> None:
+                      outs: tuple[torch.Tensor | None, ...], out_full: torch.Tensor | None, threads: int,
+                      slice_bytes: int) -> None:
     """`launch.row_stats` of a call `applies` accepts (with the same `slice_bytes`): each given output of
-    `outs` (M, L, lse, logp, entropy; fp32 [n]) written; `t_scalar` None: no temperature; `threads` per block.
-    The caller makes x's device current."""
-    call = ClusterLaunch(x, labels, t_scalar, entropy, outs, threads, slice_bytes)
+    `outs` (M, L, lse, logp, entropy: fp32 [n], logp [n, K] for labels [n, K]) and `out_full` written;
+    `t_scalar` None: no temperature; `threads` per block. The caller makes x's device current."""
+    call = ClusterLaunch(x, labels, t_scalar, entropy, outs, out_full, threads, slice_bytes)
     call.run(call.args)

@@ -1,11 +1,13 @@
-// One HBM read per row: the forward's row statistics (M, L, lse, logp of one label, entropy) with a row
-// held in the shared memory of a cluster of CLUSTER thread blocks, a slice of WIDTH columns each.
+// One HBM read per row: the forward's row statistics (M, L, lse, the logp of each of a row's labels, the
+// entropy, and with `out_full` every column's logprob) with a row held in the shared memory of a cluster of
+// CLUSTER thread blocks, a slice of `width` columns each.
 //
 // The Triton forward (`row_stats.py`) reads a row twice, once for its max and once for the sums, and at
 // 5 programs per SM the second read mostly misses L2. Here each block copies its slice into shared
 // memory once (bulk asynchronous copies), scans it for the max, pushes its max into every block of
 // the cluster (distributed shared memory), and after a cluster barrier sums the fixed-point terms of
-// its slice from shared memory; the blocks push their sums to block 0, which finishes the row.
+// its slice from shared memory; the blocks push their sums into every block, each finishes the row (the
+// same integers: the same results), writes its slice's logprobs if asked, and block 0 the row's scalars.
 //
 // Same operations as the Triton kernels, so the same bits: libdevice's expf (what `exact_exp` calls),
 // the max in the logits' own type (exact, NaN-propagating), z = x / T the IEEE quotient (div_rn, or the
@@ -15,8 +17,8 @@
 // -fmad=false (no contraction the Triton kernels, compiled without fp fusion, lack); parameters:
 //   ELEM: 0 bf16, 1 fp16, 2 fp32; CLUSTER: blocks per row; THREADS: threads per block;
 //   MIN_BLOCKS: blocks per SM to fit in registers; ENTROPY: 0/1; TEMP: 0 none, 1 one float T for every row.
-// The host (`cluster_launch.py`) checks what the copies need: 16-byte aligned rows, a row's bytes and
-// a slice's a multiple of 16.
+// The host (`cluster_launch.py`) checks what the copies and the vector stores need: 16-byte aligned rows
+// of logits and of `out_full`, a row's bytes and a slice's a multiple of 16.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -118,6 +120,18 @@ __device__ __forceinline__ float divide(float x, float t, float inv_t, float inv
   return x;
 }
 
+// `CALL(D)` with the row's division `div` as a constant (no temperature: 0 only).
+#define BY_DIVISION(CALL)  \
+  if (!TEMP) {             \
+    CALL(0);               \
+  } else if (div == 3) {   \
+    CALL(3);               \
+  } else if (div == 1) {   \
+    CALL(1);               \
+  } else {                 \
+    CALL(2);               \
+  }
+
 struct Sums {
   u32 s_hi, s_lo, e_hi, e_lo;
 };
@@ -169,10 +183,37 @@ __device__ __forceinline__ Sums slice_sums(const uint4* v, int n_vec, float t, f
   return acc;
 }
 
+// (z - M) - L of every logit of the slice into `out` (fp32, 16-byte aligned: the slice's first column),
+// `write_logprobs`' operations: a rollout's full-vocabulary logprobs.
+template <int DIV>
+__device__ __forceinline__ void slice_write(const uint4* v, int n_vec, float t, float inv_t, float inv_lo,
+                                            float row_max, float log_sum32, float4* out) {
+  for (int i = threadIdx.x; i < n_vec; i += THREADS) {
+    uint4 w = v[i];
+#if ELEM == 2
+    out[i] = make_float4((divide<DIV>(__uint_as_float(w.x), t, inv_t, inv_lo) - row_max) - log_sum32,
+                         (divide<DIV>(__uint_as_float(w.y), t, inv_t, inv_lo) - row_max) - log_sum32,
+                         (divide<DIV>(__uint_as_float(w.z), t, inv_t, inv_lo) - row_max) - log_sum32,
+                         (divide<DIV>(__uint_as_float(w.w), t, inv_t, inv_lo) - row_max) - log_sum32);
+#else
+    u32 words[4] = {w.x, w.y, w.z, w.w};
+    float z[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      widen_pair(words[k], z[2 * k], z[2 * k + 1]);
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) z[k] = (divide<DIV>(z[k], t, inv_t, inv_lo) - row_max) - log_sum32;
+    out[2 * i] = make_float4(z[0], z[1], z[2], z[3]);
+    out[2 * i + 1] = make_float4(z[4], z[5], z[6], z[7]);
+#endif
+  }
+}
+
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, MIN_BLOCKS)
-cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i64* __restrict__ labels, float t,
-                  float* out_max, float* out_log_sum, float* out_lse, float* out_logp, float* out_ent,
-                  int n_cols, int width) {
+cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i64* __restrict__ labels, int n_picks,
+                  float t, float* out_max, float* out_log_sum, float* out_lse, float* out_logp, float* out_ent,
+                  float* out_full, i64 stride_full, int n_cols, int width) {
   extern __shared__ __align__(128) unsigned char slice[];
   __shared__ __align__(8) u64 full;
   __shared__ float peer_max[CLUSTER];
@@ -253,13 +294,17 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
   const float neg_inf = -__int_as_float(0x7f800000);
   float shift = row_max == neg_inf ? 0.0f : row_max;
 
-  Sums acc;
+  // The division (`row_divisor` / `row_reciprocal`), chosen once for the row: 0 none, 1 the reciprocal and
+  // one fma, 2 div_rn, 3 the pair (16-bit logits). Every choice gives the IEEE quotient's bits.
+  int div = 0;
+  float inv_t = 0.0f, inv_lo = 0.0f;
   if (TEMP) {
     // `row_reciprocal`'s range: there the reciprocal and one fma give the IEEE quotient's bits.
     float am = fabsf(row_max);
     bool ok = t >= 9.765625e-04f && t <= 1.2676506002282294e30f && am >= 8.673617379884035e-19f &&
               am <= 1.2676506002282294e30f;
-    float inv_t = ok ? __fdiv_rn(1.0f, t) : 0.0f;
+    inv_t = ok ? __fdiv_rn(1.0f, t) : 0.0f;
+    div = ok ? 1 : 2;
 #if ELEM != 2
     // `row_divisor`'s pair hi + lo = 1/T, kept if fma(x, hi, x lo) is the IEEE x / T on every significand
     // of the logits' type (FRACTION_BITS: bf16 7, fp16 10).
@@ -275,17 +320,15 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
     }
     wrong = __syncthreads_or(wrong);
     if (inv_t > 0.0f && down >= 8.271806125530277e-25f && rest >= down * 9.094947017729282e-13f && !wrong) {
-      acc = slice_sums<3>(v, n_vec, t, down, rest, shift);
-    } else
-#endif
-    if (ok) {
-      acc = slice_sums<1>(v, n_vec, t, inv_t, 0.0f, shift);
-    } else {
-      acc = slice_sums<2>(v, n_vec, t, 0.0f, 0.0f, shift);
+      div = 3;
+      inv_t = down;
+      inv_lo = rest;
     }
-  } else {
-    acc = slice_sums<0>(v, n_vec, t, 0.0f, 0.0f, shift);
+#endif
   }
+  Sums acc;
+#define SUMS(D) acc = slice_sums<D>(v, n_vec, t, inv_t, inv_lo, shift)
+  BY_DIVISION(SUMS);
   // Terms this thread added: ESIZE-byte logits, 16 bytes per vector.
   const u32 n_terms = (u32)(((n_vec - (int)threadIdx.x + THREADS - 1) / THREADS) * (16 / ESIZE));
   i64 s = threadIdx.x < n_vec ? total(acc.s_hi, acc.s_lo, n_terms) : 0;
@@ -299,21 +342,20 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
     warp_e[warp] = e;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (threadIdx.x < CLUSTER) {  // every block gets every block's sums: each can finish the row
     s = 0;
     e = 0;
     for (int w = 0; w < WARPS; ++w) {
       s += warp_s[w];
       e += warp_e[w];
     }
-    push_i64(&peer_s[rank], 0, s);
-    push_i64(&peer_e[rank], 0, e);
+    push_i64(&peer_s[rank], threadIdx.x, s);
+    push_i64(&peer_e[rank], threadIdx.x, e);
   }
   cluster_arrive();
   cluster_wait();
-  if (rank != 0 || threadIdx.x != 0) return;
 
-  // `finalize_row`, in the same operations.
+  // `finalize_row`, in the same operations (in every thread: the same integers, the same results).
   i64 fixed = 0, entropy_fixed = 0;
   for (int r = 0; r < CLUSTER; ++r) {
     fixed += peer_s[r];
@@ -325,17 +367,26 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
   double log_sum = log(sd * (double)9.094947017729282e-13f);  // 2^-40
   bool bad = (row_max != row_max) || (row_max == __int_as_float(0x7f800000));
   float log_sum32 = bad ? nan : (float)log_sum;
+  if (out_full) {
+    float4* out = (float4*)(out_full + row * stride_full + col0);
+#define WRITE(D) slice_write<D>(v, n_vec, t, inv_t, inv_lo, row_max, log_sum32, out)
+    BY_DIVISION(WRITE);
+  }
+  if (rank != 0) return;
+  if (out_logp) {  // the row's n_picks labels, a thread each
+    for (int k = threadIdx.x; k < n_picks; k += THREADS) {
+      i64 label = labels[row * n_picks + k];
+      bool owned = label >= 0 && label < n_cols;
+      float target = load_logit(x_row, owned ? label : 0);
+      if (TEMP) target = __fdiv_rn(target, t);
+      float logp = row_max != neg_inf ? (target - row_max) - log_sum32 : 0.0f;
+      out_logp[row * n_picks + k] = owned ? logp : 0.0f;
+    }
+  }
+  if (threadIdx.x != 0) return;
   if (out_max) out_max[row] = row_max;
   if (out_log_sum) out_log_sum[row] = log_sum32;
   if (out_lse) out_lse[row] = bad ? nan : (float)((double)row_max + log_sum);
-  if (out_logp) {
-    i64 label = labels[row];
-    bool owned = label >= 0 && label < n_cols;
-    float target = load_logit(x_row, owned ? label : 0);
-    if (TEMP) target = __fdiv_rn(target, t);
-    float logp = row_max != neg_inf ? (target - row_max) - log_sum32 : 0.0f;
-    out_logp[row] = owned ? logp : 0.0f;
-  }
 #if ENTROPY
   if (out_ent) {
     double h = log_sum - (double)entropy_fixed / sd;

@@ -214,7 +214,7 @@ def row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, temp
     if _takes_cluster(x, labels, temp_mode, bits, out_full, cfg):
         with on_device(x):
             cluster_launch.row_stats_cluster(x, labels, None if temp_mode == TEMP_NONE.value else t_scalar, entropy,
-                                             outs, cfg.cluster_threads, cfg.cluster_slice_bytes)
+                                             outs, out_full, cfg.cluster_threads, cfg.cluster_slice_bytes)
         return
     ranges, span = 1, 0
     if x.shape[0] <= cfg.split_rows and (cfg.split_eager or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
@@ -243,15 +243,15 @@ def bind_row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int,
                    out_full: torch.Tensor | None = None) -> BoundLaunch | cluster_launch.ClusterLaunch | None:
     """An eager `row_stats` of these arguments writing `out_logp` or `out_full` alone (no tensor temperature),
     as a `BoundLaunch` taking (x, labels, out) (labels given) or (x, out), or where `row_stats` takes the
-    cluster forward its `ClusterLaunch` taking (x, labels, out): for a caller that repeats the call with new
+    cluster forward its `ClusterLaunch` taking the same: for a caller that repeats the call with new
     tensors of the same shapes (a rollout, at every decode step). None where an eager `row_stats`
     would launch more than once (`cfg.two_pass`, the split plan with `cfg.split_eager`) or where the launch
     has not yet run (bind after a `row_stats` of these arguments: it compiled the kernel)."""
     n, vocab = x.shape
-    if labels is not None and _takes_cluster(x, labels, temp_mode, bits, out_full, cfg):
+    if _takes_cluster(x, labels, temp_mode, bits, out_full, cfg):
         with on_device(x):
             return cluster_launch.ClusterLaunch(x, labels, None if temp_mode == TEMP_NONE.value else t_scalar, False,
-                                                (None, None, None, out_logp, None), cfg.cluster_threads,
+                                                (None, None, None, out_logp, None), out_full, cfg.cluster_threads,
                                                 cfg.cluster_slice_bytes)
     if cfg.two_pass or (cfg.split_eager and split_ranges(n, vocab, x.device.index if x.is_cuda else None, cfg)[0] > 1):
         return None

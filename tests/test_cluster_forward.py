@@ -1,7 +1,7 @@
 """The cluster forward (`kernels/cluster_row_stats.cu`, one HBM read per row): its slicing and its
 compilation for sm_90 on the CPU (NVRTC needs no GPU), and on a GPU of compute capability 9.0 or more
-the Triton forward's bits in every output, in eager calls and CUDA-graph replays, and the Triton path for
-the calls it does not take."""
+the Triton forward's bits in every output (one label or several per row, every column's logprob), in
+eager calls, CUDA-graph replays and rollout plans, and the Triton path for the calls it does not take."""
 
 import dataclasses
 import os
@@ -64,12 +64,15 @@ def test_a_compile_error_names_the_kernel_and_shows_the_log():
         cuda_source.compile_cubin('extern "C" __global__ void broken() { undefined_name(); }', "broken", "sm_90", [])
 
 
-def _stats(x, labels, temperature, cluster_rows, **cfg):
+def _stats(x, labels, temperature, cluster_rows, full=False, **cfg):
+    """Every output of one engine call (M, L, lse, logp, entropy, and with `full` every column's logprob)."""
     from rl_logp.engines.fused import FusedEngine
 
     engine = FusedEngine(dataclasses.replace(LaunchConfig(), cluster_rows=cluster_rows, **cfg))
-    s = engine.row_stats(engine_request(x, labels, temperature, engine="fused", entropy=True))
-    return [s.row_max, s.log_sum, s.lse, s.logp, s.entropy]
+    req = engine_request(x, labels, temperature, engine="fused", entropy=True)
+    req.normalizer, req.full = True, full
+    s = engine.row_stats(req)
+    return [s.row_max, s.log_sum, s.lse, s.logp, s.entropy] + ([s.full] if full else [])
 
 
 def _edge_rows(x, labels):
@@ -93,12 +96,17 @@ def test_cluster_forward_gives_the_triton_bits(dtype, vocab):
     _edge_rows(x, labels)
     fits = cluster_launch.cluster_width(vocab, x.element_size(), LaunchConfig().cluster_slice_bytes) is not None
     assert cluster_launch.applies(x, labels, False, 40, None, LaunchConfig().cluster_slice_bytes) == fits
+    full = torch.empty(n, vocab, device="cuda")
+    assert cluster_launch.applies(x, None, False, 40, full, LaunchConfig().cluster_slice_bytes) == fits
+    picks = torch.cat([labels[:, None], random_labels(n * 4, vocab, "cuda", seed=1).view(n, 4)], dim=1)
+    picks[:, 1] = -100
     for temperature in (None, 0.7, 1.3, 2.0**-11, 0.1):
-        want = _stats(x, labels, temperature, 0)
-        for cfg in ({}, {"cluster_threads": 512}, {"cluster_slice_bytes": 49152}):
-            got = _stats(x, labels, temperature, 1, **cfg)
-            for name, a, b in zip(("M", "L", "lse", "logp", "entropy"), got, want, strict=True):
-                assert mismatches(a, b) == 0, (name, temperature, cfg)
+        for ids, full in ((labels, False), (picks, True)):  # one label per row; five, and every column
+            want = _stats(x, ids, temperature, 0, full)
+            for cfg in ({}, {"cluster_threads": 512}, {"cluster_slice_bytes": 49152}):
+                got = _stats(x, ids, temperature, 1, full, **cfg)
+                for name, a, b in zip(("M", "L", "lse", "logp", "entropy", "full"), got, want, strict=False):
+                    assert mismatches(a, b) == 0, (name, temperature, full, cfg)
 
 
 @needs_hopper
@@ -130,6 +138,9 @@ def test_calls_the_cluster_forward_cannot_take_keep_the_triton_bits():
         "int32 labels": (x[:, :vocab], labels.int(), None),
         "per-row temperature": (x[:, :vocab], labels, torch.linspace(0.5, 1.5, 9, device="cuda")),
     }
+    unaligned_full = torch.empty(9 * vocab + 1, device="cuda")[1:].view(9, vocab)
+    assert not cluster_launch.applies(x[:, :vocab], None, False, 40, unaligned_full, slice_bytes)
+    assert not cluster_launch.applies(x[:, :vocab], labels.view(9, 1, 1), False, 40, None, slice_bytes)
     for name, (logits, ids, temperature) in cases.items():
         assert not cluster_launch.applies(logits, ids, isinstance(temperature, torch.Tensor), 40, None, slice_bytes), name
         for a, b in zip(_stats(logits, ids, temperature, 1), _stats(logits, ids, temperature, 0), strict=True):
@@ -138,8 +149,9 @@ def test_calls_the_cluster_forward_cannot_take_keep_the_triton_bits():
 
 @needs_hopper
 def test_rollout_plans_take_the_cluster_forward_with_the_triton_bits(monkeypatch):
-    """`logprobs` repeated with new logits of one signature (a decode loop) binds the cluster launch as its
-    plan when the engine's `cluster_rows` asks for it: every call launches it and gives the Triton bits."""
+    """A rollout's calls (`logprobs`, `column_logprobs`, `full_logprobs`) repeated with new logits of one
+    signature (a decode loop) bind the cluster launch as their plans when the engine's `cluster_rows` asks
+    for it: every call launches it and gives the Triton bits."""
     import rl_logp
     from rl_logp import rollout_calls
     from rl_logp.engines import make_engine
@@ -149,17 +161,24 @@ def test_rollout_plans_take_the_cluster_forward_with_the_triton_bits(monkeypatch
     run = cluster_launch.ClusterLaunch.run
     monkeypatch.setattr(cluster_launch.ClusterLaunch, "run", lambda self, args: launches.append(1) or run(self, args))
     saved = engine.config
-    for temperature in (None, 0.7):
-        rollout_calls.clear()
-        calls = [(model_like_logits(256, 151936, torch.bfloat16, "cuda", seed=s), random_labels(256, 151936, "cuda", s))
-                 for s in range(4)]
-        want = [rl_logp.logprobs(x, y, backend="fused", temperature=temperature) for x, y in calls]
-        engine.config = dataclasses.replace(saved, cluster_rows=128)
-        try:
-            launches.clear()
-            got = [rl_logp.logprobs(x, y, backend="fused", temperature=temperature) for x, y in calls]
-        finally:
-            engine.config = saved
-        assert len(launches) == len(calls) and len(rollout_calls._plans) == 1
-        assert all(mismatches(a, b) == 0 for a, b in zip(got, want, strict=True))
+    calls = {
+        "logprobs": lambda x, ids, t: rl_logp.logprobs(x, ids[:, 0].contiguous(), backend="fused", temperature=t),
+        "column_logprobs": lambda x, ids, t: rl_logp.column_logprobs(x, ids, backend="fused", temperature=t),
+        "full_logprobs": lambda x, ids, t: rl_logp.full_logprobs(x, backend="fused", temperature=t),
+    }
+    for name, call in calls.items():
+        for temperature in (None, 0.7):
+            rollout_calls.clear()
+            steps = [(model_like_logits(64, 151936, torch.bfloat16, "cuda", seed=s),
+                      torch.randint(-1, 151937, (64, 21), generator=torch.Generator().manual_seed(s)).cuda())
+                     for s in range(4)]
+            want = [call(x, ids, temperature) for x, ids in steps]
+            engine.config = dataclasses.replace(saved, cluster_rows=32)
+            try:
+                launches.clear()
+                got = [call(x, ids, temperature) for x, ids in steps]
+            finally:
+                engine.config = saved
+            assert len(launches) == len(steps) and len(rollout_calls._plans) == 1, name
+            assert all(mismatches(a, b) == 0 for a, b in zip(got, want, strict=True)), (name, temperature)
     rollout_calls.clear()
