@@ -114,26 +114,12 @@ def _verl_functions():
     return verl_tf, ""
 
 
-@contextlib.contextmanager
-def fused_launch(**overrides):
-    """The fused engine's launch parameters replaced inside the block (its plans decline, then bind anew)."""
-    from rl_logp.engines import make_engine
-
-    engine = make_engine("fused", rl_logp.resolve_config(None).chunk_bytes)
-    saved = engine.config
-    engine.config = dataclasses.replace(saved, **overrides)
-    try:
-        yield
-    finally:
-        engine.config = saved
-
-
 def with_cluster(found: dict[str, Provider], missing: dict[str, str], call: Provider) -> None:
     """`call` again as "rl_logp cluster", with the cluster forward (`LaunchConfig.cluster_rows`) where the GPU
     has thread block clusters: the same public call beside the Triton forward, in the same run."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
         def clustered(x, y, t, ip):
-            with fused_launch(cluster_rows=1):
+            with engine_launch_config({"cluster_rows": 1}):
                 return call(x, y, t, ip)
 
         found["rl_logp cluster"] = clustered
