@@ -10,8 +10,9 @@
 // same integers: the same results), writes its slice's logprobs if asked, and block 0 the row's scalars.
 //
 // Same operations as the Triton kernels, so the same bits: libdevice's expf (what `exact_exp` calls),
-// the max in the logits' own type (exact, NaN-propagating), z = x / T the IEEE quotient (div_rn, or the
-// reciprocal and one fma correction where `row_reciprocal`'s range holds), the terms
+// the max in the logits' own type (exact, NaN-propagating), z = x / T the IEEE quotient (div_rn, the
+// reciprocal and one fma correction where `row_reciprocal`'s range holds, or for 16-bit logits
+// `row_divisor`'s pair where it checks), the terms
 // trunc(e 2^40) = hi 2^20 + lo from two round-toward-zero adds summed as uint32 bit patterns
 // (`split_terms`, `lane_total`), and `finalize_row`'s finish in fp64. Compiled by NVRTC with
 // -fmad=false (no contraction the Triton kernels, compiled without fp fusion, lack); parameters:

@@ -3,7 +3,8 @@ driver, all through ctypes (no build step, no extension module).
 
 `compile_cubin` needs only NVRTC, no GPU: it runs on a CPU-only machine as well (the compile tests). NVRTC
 is found in the `nvidia` wheels' directories (`nvidia-cuda-nvrtc`, which CUDA builds of torch install)
-or on the loader's path. `load` and `launch` need a GPU, with torch's context current on the device.
+or on the loader's path. `Function` (a loaded kernel) and its `launch` need a GPU, with torch's context current
+on the device.
 """
 
 from __future__ import annotations

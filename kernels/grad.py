@@ -13,10 +13,11 @@ Floating-point contraction is off at launch so `a + b` is never fused into an fm
 
 A program writes one tile of BLOCK columns of one row. Most tiles take the lean path: a full tile of a
 live row whose label (if any) is valid and lies in another tile, divided by the reciprocal (or with no
-temperature, or `DIV_IEEE`): no mask, no label column, no ignored-row or dead-row selects, no `div_rn` code. Every other
-tile (the row's last, partial tile, the label's tile, ignored or dead rows, rows that divide by `div_rn`)
-takes the general path, the same operations in sub-tiles of SUB columns with every mask and select, so
-that its `div_rn` holds few values in registers and does not set the lean path's register count.
+temperature, or `DIV_IEEE`): no mask, no label column, no ignored-row or dead-row selects, no `div_rn`
+code. Every other tile (the row's last, partial tile, the label's tile, ignored or dead rows, rows that
+divide by `div_rn`) takes the general path, the same operations in sub-tiles of SUB columns with every
+mask and select, so that its `div_rn` holds few values in registers and does not set the lean path's
+register count.
 """
 
 from __future__ import annotations
