@@ -83,8 +83,7 @@ def _function(device_index: int, element: int, cluster: int, entropy: bool, temp
     major, minor = _capability(device_index)
     cubin = cuda_source.compile_cubin(SOURCE.read_text(), KERNEL, f"sm_{major}{minor}",
                                       variant_options(element, cluster, entropy, temperature, threads, slice_bytes))
-    with torch.cuda.device(device_index):
-        return cuda_source.Function(cubin, KERNEL, slice_bytes)
+    return cuda_source.Function(cubin, KERNEL, slice_bytes, device_index)
 
 
 def _pointer(t: torch.Tensor | None) -> ctypes.c_void_p:

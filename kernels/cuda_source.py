@@ -3,20 +3,24 @@ driver, all through ctypes (no build step, no extension module).
 
 `compile_cubin` needs only NVRTC, no GPU: it runs on a CPU-only machine as well (the compile tests). NVRTC
 is found in the `nvidia` wheels' directories (`nvidia-cuda-nvrtc`, which CUDA builds of torch install)
-or on the loader's path. `Function` (a loaded kernel) and its `launch` need a GPU, with torch's context current
-on the device.
+or on the loader's path. `Function` (a kernel loaded into a device's primary context, torch's) and its
+`launch` need a GPU; they make that context current where it is not (a thread that has not used the
+device yet) and load with this thread's stream-capture mode relaxed, so that a first use inside a
+CUDA-graph capture works.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import glob
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 _NVRTC_NAMES = ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so")
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_CAPTURE_MODE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED
 
 
 @functools.lru_cache(maxsize=1)
@@ -76,32 +80,92 @@ def compile_cubin(source: str, name: str, arch: str, options: Sequence[str]) -> 
 @functools.lru_cache(maxsize=1)
 def _driver() -> ctypes.CDLL:
     cuda = ctypes.CDLL("libcuda.so.1")
-    cuda.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
-    cuda.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
+    pointer = ctypes.POINTER(ctypes.c_void_p)
+    cuda.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    cuda.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    cuda.cuDevicePrimaryCtxRetain.argtypes = [pointer, ctypes.c_int]
+    cuda.cuCtxGetCurrent.argtypes = [pointer]
+    cuda.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+    cuda.cuCtxPopCurrent_v2.argtypes = [pointer]
+    cuda.cuThreadExchangeStreamCaptureMode.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    cuda.cuModuleLoadData.argtypes = [pointer, ctypes.c_char_p]
+    cuda.cuModuleGetFunction.argtypes = [pointer, ctypes.c_void_p, ctypes.c_char_p]
     cuda.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     cuda.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
-        ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        ctypes.c_void_p, pointer, ctypes.c_void_p]
+    _check(cuda.cuInit(0), "initialisation")
     return cuda
 
 
 def _check(result: int, what: str) -> None:
     if result != 0:
-        raise RuntimeError(f"rl_logp: the CUDA driver's {what} failed with error {result}")
+        name = ctypes.c_char_p()
+        known = _driver().cuGetErrorName(result, ctypes.byref(name)) == 0 and name.value
+        raise RuntimeError(f"rl_logp: the CUDA driver's {what} failed with error {result}"
+                           + (f" ({name.value.decode()})" if known else ""))
+
+
+@functools.cache
+def primary_context(device_index: int) -> int:
+    """The handle of the device's primary context (the one torch's runtime calls use), retained for the
+    process."""
+    cuda = _driver()
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    _check(cuda.cuDeviceGet(ctypes.byref(device), device_index), "device lookup")
+    _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "primary context")
+    return context.value
+
+
+@contextlib.contextmanager
+def current(context: int, relaxed_capture: bool = False) -> Iterator[None]:
+    """`context` current on this thread within the block (pushed where another or none is), and with
+    `relaxed_capture` this thread's stream-capture mode relaxed: a module load is among the calls that a
+    capture in the global mode (torch's default) refuses on every thread."""
+    cuda = _driver()
+    now = ctypes.c_void_p()
+    _check(cuda.cuCtxGetCurrent(ctypes.byref(now)), "current context")
+    pushed = now.value != context
+    if pushed:
+        _check(cuda.cuCtxPushCurrent_v2(context), "context push")
+    mode, exchanged = ctypes.c_int(_CAPTURE_MODE_RELAXED), False
+    try:
+        if relaxed_capture:
+            _check(cuda.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)), "capture mode exchange")
+            exchanged = True
+        yield
+    finally:
+        if exchanged:
+            _check(cuda.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)), "capture mode exchange")
+        if pushed:
+            _check(cuda.cuCtxPopCurrent_v2(ctypes.byref(now)), "context pop")
 
 
 class Function:
-    """A kernel loaded into the current context (torch's, on the current device), its module kept alive."""
+    """A kernel loaded into the primary context of a device (torch's), its module kept alive; loaded at
+    once, not at its first launch, so that a first launch inside a CUDA-graph capture loads nothing."""
 
-    def __init__(self, cubin: bytes, name: str, dynamic_shared: int) -> None:
+    def __init__(self, cubin: bytes, name: str, dynamic_shared: int, device_index: int) -> None:
         cuda = _driver()
+        self.context = primary_context(device_index)
         self.module, self.handle = ctypes.c_void_p(), ctypes.c_void_p()
-        _check(cuda.cuModuleLoadData(ctypes.byref(self.module), cubin), "module load")
-        _check(cuda.cuModuleGetFunction(ctypes.byref(self.handle), self.module, name.encode()), "function lookup")
-        if dynamic_shared > 48 * 1024:
-            _check(cuda.cuFuncSetAttribute(self.handle, _MAX_DYNAMIC_SHARED, dynamic_shared), "shared-memory setting")
+        with current(self.context, relaxed_capture=True):
+            _check(cuda.cuModuleLoadData(ctypes.byref(self.module), cubin), "module load")
+            _check(cuda.cuModuleGetFunction(ctypes.byref(self.handle), self.module, name.encode()), "function lookup")
+            if dynamic_shared > 48 * 1024:
+                _check(cuda.cuFuncSetAttribute(self.handle, _MAX_DYNAMIC_SHARED, dynamic_shared), "shared-memory setting")
+            if hasattr(cuda, "cuFuncLoad"):  # drivers of CUDA 12.4 on: load now what lazy loading would defer
+                _check(cuda.cuFuncLoad(self.handle), "function load")
 
     def launch(self, grid: int, block: int, shared: int, stream: int, args: Sequence[ctypes._SimpleCData]) -> None:
-        """One launch on `stream` (a CUDA stream handle) with `args`, each a ctypes value of the kernel's
-        parameter type."""
+        """One launch on `stream` (a CUDA stream handle of the function's context) with `args`, each a ctypes
+        value of the kernel's parameter type; the function's context is made current for it where it is
+        not."""
+        cuda = _driver()
         params = (ctypes.c_void_p * len(args))(*map(ctypes.addressof, args))
-        _check(_driver().cuLaunchKernel(self.handle, grid, 1, 1, block, 1, 1, shared, stream, params, None), "launch")
+        now = ctypes.c_void_p()
+        cuda.cuCtxGetCurrent(ctypes.byref(now))
+        if now.value == self.context:
+            _check(cuda.cuLaunchKernel(self.handle, grid, 1, 1, block, 1, 1, shared, stream, params, None), "launch")
+            return
+        with current(self.context):
+            _check(cuda.cuLaunchKernel(self.handle, grid, 1, 1, block, 1, 1, shared, stream, params, None), "launch")

@@ -3,6 +3,7 @@ compilation for sm_90 on the CPU (NVRTC needs no GPU), and on a GPU of compute c
 the Triton forward's bits in every output (one label or several per row, every column's logprob), in
 eager calls, CUDA-graph replays and rollout plans, and the Triton path for the calls it does not take."""
 
+import ctypes
 import dataclasses
 import os
 import re
@@ -62,6 +63,108 @@ def test_cluster_kernel_compiles_for_sm90_without_spills():
 def test_a_compile_error_names_the_kernel_and_shows_the_log():
     with pytest.raises(RuntimeError, match=r"(?s)compilation of broken failed.*undefined_name"):
         cuda_source.compile_cubin('extern "C" __global__ void broken() { undefined_name(); }', "broken", "sm_90", [])
+
+
+class _Driver:
+    """The CUDA driver calls `cuda_source` makes, modelled: a thread's current context and capture mode, a
+    stream capture in progress (in the global mode, torch's default, it refuses a module load on every
+    thread whose mode is not relaxed) and a record of the loads and launches."""
+
+    PRIMARY = 0xC0
+
+    def __init__(self, current=None, capturing=False, load_result=0):
+        self.current, self.capturing, self.load_result = current, capturing, load_result
+        self.mode, self.stack, self.events = 0, [], []
+
+    def cuGetErrorName(self, result, ref):
+        ref._obj.value = b"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED" if result == 900 else b"CUDA_ERROR_UNKNOWN"
+        return 0
+
+    def cuDeviceGet(self, ref, index):
+        ref._obj.value = index
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, ref, device):
+        ref._obj.value = self.PRIMARY + device.value
+        return 0
+
+    def cuCtxGetCurrent(self, ref):
+        ref._obj.value = self.current
+        return 0
+
+    def cuCtxPushCurrent_v2(self, context):
+        self.stack.append(self.current)
+        self.current = context
+        return 0
+
+    def cuCtxPopCurrent_v2(self, ref):
+        ref._obj.value, self.current = self.current, self.stack.pop()
+        return 0
+
+    def cuThreadExchangeStreamCaptureMode(self, ref):
+        ref._obj.value, self.mode = self.mode, ref._obj.value
+        return 0
+
+    def cuModuleLoadData(self, ref, cubin):
+        if self.capturing and self.mode != 2:
+            return 900  # CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+        if self.load_result:
+            return self.load_result
+        self.events.append(("load", self.current))
+        ref._obj.value = 0x1000
+        return 0
+
+    def cuModuleGetFunction(self, ref, module, name):
+        ref._obj.value = 0x2000
+        return 0
+
+    def cuFuncSetAttribute(self, handle, attribute, value):
+        self.events.append(("shared", value))
+        return 0
+
+    def cuFuncLoad(self, handle):
+        self.events.append(("function load", self.current))
+        return 0
+
+    def cuLaunchKernel(self, handle, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        self.events.append(("launch", self.current, gx, bx, shared, stream))
+        return 0
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    def use(**state):
+        fake = _Driver(**state)
+        monkeypatch.setattr(cuda_source, "_driver", lambda: fake)
+        cuda_source.primary_context.cache_clear()
+        return fake
+
+    yield use
+    cuda_source.primary_context.cache_clear()
+
+
+@pytest.mark.parametrize("capturing", [False, True], ids=["eager", "capturing"])
+@pytest.mark.parametrize("current", [None, _Driver.PRIMARY + 1, 0xBEEF], ids=["no context", "primary", "another"])
+def test_a_kernel_loads_and_launches_in_the_devices_primary_context(driver, current, capturing):
+    """A first use on a thread that has not used the device (no current context), on one where torch's is
+    current, or where another context is, and inside a global-mode CUDA-graph capture: the module loads at
+    once in the device's primary context, every launch runs there, and the thread's context and capture
+    mode are what they were after each."""
+    fake = driver(current=current, capturing=capturing)
+    function = cuda_source.Function(b"cubin", "kernel", 98304, 1)
+    primary = _Driver.PRIMARY + 1
+    assert fake.events == [("load", primary), ("shared", 98304), ("function load", primary)]
+    assert (fake.current, fake.mode, fake.stack) == (current, 0, [])
+    function.launch(12, 256, 4096, 0x5, [ctypes.c_int32(3)])
+    assert fake.events[-1] == ("launch", primary, 12, 256, 4096, 0x5)
+    assert (fake.current, fake.mode, fake.stack) == (current, 0, [])
+
+
+def test_a_failed_load_names_the_driver_error_and_restores_the_thread(driver):
+    fake = driver(current=None, load_result=700)
+    with pytest.raises(RuntimeError, match=r"module load failed with error 700 \(CUDA_ERROR_UNKNOWN\)"):
+        cuda_source.Function(b"cubin", "kernel", 1024, 0)
+    assert (fake.current, fake.mode, fake.stack, fake.events) == (None, 0, [], [])
 
 
 def _stats(x, labels, temperature, cluster_rows, full=False, **cfg):
@@ -124,6 +227,25 @@ def test_cluster_forward_replays_in_a_cuda_graph():
     fresh = _stats(static, labels, 0.7, 0)
     for got, want, before in zip(captured, fresh, eager, strict=True):
         assert mismatches(got, want) == 0 and mismatches(got, before) > 0
+
+
+@needs_hopper
+def test_a_variant_first_used_inside_a_cuda_graph_capture_loads_there_and_replays():
+    """No warm-up of the cluster forward: its compile and module load happen inside the capture (the
+    thread's capture mode relaxed for the load) and the replay gives the Triton bits."""
+    x = model_like_logits(64, 151936, torch.bfloat16, "cuda", seed=4)
+    labels = random_labels(64, 151936, "cuda", seed=4)
+    want = _stats(x, labels, 1.3, 0)  # the Triton path, loaded before the capture
+    cluster_launch._function.cache_clear()
+    static = torch.zeros_like(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _stats(static, labels, 1.3, 1)
+    assert cluster_launch._function.cache_info().currsize == 1
+    static.copy_(x)
+    graph.replay()
+    for got, expected in zip(captured, want, strict=True):
+        assert mismatches(got, expected) == 0
 
 
 @needs_hopper
