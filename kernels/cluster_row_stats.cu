@@ -38,6 +38,9 @@ typedef long long i64;
 #define HI_PATTERN 0x41000000u
 #define LO_PATTERN 0x37000000u
 
+// The PTX of the kernel, in these helpers only: `tests/cluster_emulation.h` defines them (and CUDA's
+// intrinsics) for a host build that runs the kernel's threads as CPU threads (CLUSTER_HOST_EMULATION).
+#ifndef CLUSTER_HOST_EMULATION
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   u32 a;
   asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
@@ -67,6 +70,57 @@ __device__ __forceinline__ float half_to_float(u32 bits16) {
   return f;
 }
 
+// Cluster barriers, each thread arriving on its own (not `.aligned`: no warp has to be converged there).
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
+
+__device__ __forceinline__ void push_float(const float* local_slot, u32 rank, float v) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local_slot)), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(v) : "memory");
+}
+
+__device__ __forceinline__ void push_i64(const i64* local_slot, u32 rank, i64 v) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local_slot)), "r"(rank));
+  asm volatile("st.shared::cluster.s64 [%0], %1;" :: "r"(remote), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 rank;
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  return rank;
+}
+
+// Thread 0 starts the copy of `bytes` (a multiple of 16, 16-byte aligned at both ends) from `src` into
+// `slice`, its completion counted on the mbarrier `full`.
+__device__ __forceinline__ void start_slice_copy(unsigned char* slice, const unsigned char* src, u32 bytes, u64* full) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(full)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(full)), "r"(bytes) : "memory");
+  for (u32 off = 0; off < bytes; off += COPY_BYTES) {
+    u32 n = min(bytes - off, (u32)COPY_BYTES);
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(smem_addr(slice + off)), "l"(src + off), "r"(n), "r"(smem_addr(full)) : "memory");
+  }
+}
+
+// Every thread waits for the copy to land; one that never lands traps (a launch error) after about 2^30
+// polls instead of hanging the GPU.
+__device__ __forceinline__ void wait_slice_copy(u64* full) {
+  u32 done = 0;
+  for (u32 polls = 0; !done; ++polls) {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(smem_addr(full)) : "memory");
+    if (polls == (1u << 30)) asm volatile("trap;");
+  }
+}
+
+#define BLOCK_SHARED(type, name) __shared__ type name
+#define DYNAMIC_SHARED(name) extern __shared__ __align__(128) unsigned char name[]
+#endif  // CLUSTER_HOST_EMULATION
+
 // The two logits of a 16-bit pair as fp32 (exact).
 __device__ __forceinline__ void widen_pair(u32 w, float& a, float& b) {
 #if ELEM == 0
@@ -86,23 +140,6 @@ __device__ __forceinline__ float load_logit(const unsigned char* row, i64 col) {
 #else
   return ((const float*)row)[col];
 #endif
-}
-
-// Cluster barriers, each thread arriving on its own (not `.aligned`: no warp has to be converged there).
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); }
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
-
-__device__ __forceinline__ void push_float(const float* local_slot, u32 rank, float v) {
-  u32 remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local_slot)), "r"(rank));
-  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(v) : "memory");
-}
-
-__device__ __forceinline__ void push_i64(const i64* local_slot, u32 rank, i64 v) {
-  u32 remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local_slot)), "r"(rank));
-  asm volatile("st.shared::cluster.s64 [%0], %1;" :: "r"(remote), "l"(v) : "memory");
 }
 
 // z = x / T, the IEEE quotient as the Triton kernels form it: none (DIV 0), the reciprocal and one fma
@@ -211,21 +248,25 @@ __device__ __forceinline__ void slice_write(const uint4* v, int n_vec, float t, 
   }
 }
 
+// A block's shared memory beside its slice: the copy's mbarrier, every block's max and sums (written by
+// the peers through distributed shared memory), and its warps' partial results.
+struct BlockShared {
+  u64 full;
+  float peer_max[CLUSTER];
+  i64 peer_s[CLUSTER];
+  i64 peer_e[CLUSTER];
+  float warp_max[WARPS];
+  i64 warp_s[WARPS];
+  i64 warp_e[WARPS];
+};
+
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, MIN_BLOCKS)
 cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i64* __restrict__ labels, int n_picks,
                   float t, float* out_max, float* out_log_sum, float* out_lse, float* out_logp, float* out_ent,
                   float* out_full, i64 stride_full, int n_cols, int width) {
-  extern __shared__ __align__(128) unsigned char slice[];
-  __shared__ __align__(8) u64 full;
-  __shared__ float peer_max[CLUSTER];
-  __shared__ i64 peer_s[CLUSTER];
-  __shared__ i64 peer_e[CLUSTER];
-  __shared__ float warp_max[WARPS];
-  __shared__ i64 warp_s[WARPS];
-  __shared__ i64 warp_e[WARPS];
-
-  u32 rank;
-  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  DYNAMIC_SHARED(slice);
+  BLOCK_SHARED(BlockShared, sh);
+  const u32 rank = cluster_rank();
   const i64 row = blockIdx.x / CLUSTER;
   const unsigned char* x_row = x + row * stride_bytes;
   const int col0 = (int)rank * width;
@@ -235,28 +276,10 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
 
   // Start the copy of this block's slice; the cluster's first barrier (relaxed: it orders nothing but
   // the peers' start) overlaps it.
-  if (threadIdx.x == 0 && bytes) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&full)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(&full)), "r"(bytes) : "memory");
-    const unsigned char* src = x_row + (i64)col0 * ESIZE;
-    for (u32 off = 0; off < bytes; off += COPY_BYTES) {
-      u32 n = min(bytes - off, (u32)COPY_BYTES);
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   :: "r"(smem_addr(slice + off)), "l"(src + off), "r"(n), "r"(smem_addr(&full)) : "memory");
-    }
-  }
+  if (threadIdx.x == 0 && bytes) start_slice_copy(slice, x_row + (i64)col0 * ESIZE, bytes, &sh.full);
   cluster_arrive_relaxed();
   __syncthreads();
-  if (bytes) {
-    // A copy that never lands traps (a launch error) after about 2^30 polls instead of hanging the GPU.
-    u32 done = 0;
-    for (u32 polls = 0; !done; ++polls) {
-      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-                   : "=r"(done) : "r"(smem_addr(&full)) : "memory");
-      if (polls == (1u << 30)) asm volatile("trap;");
-    }
-  }
+  if (bytes) wait_slice_copy(&sh.full);
 
   // The slice's max in the logits' own type (exact, NaN-propagating), then fp32.
   const uint4* v = (const uint4*)slice;
@@ -279,16 +302,16 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
   m = max_nan(a, b);
 #endif
   for (int o = 16; o; o >>= 1) m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (lane == 0) warp_max[warp] = m;
+  if (lane == 0) sh.warp_max[warp] = m;
   __syncthreads();
-  m = warp_max[0];
-  for (int w = 1; w < WARPS; ++w) m = max_nan(m, warp_max[w]);
+  m = sh.warp_max[0];
+  for (int w = 1; w < WARPS; ++w) m = max_nan(m, sh.warp_max[w]);
   cluster_wait();  // every block of the cluster has started: its shared memory can be written
-  if (threadIdx.x < CLUSTER) push_float(&peer_max[rank], threadIdx.x, m);
+  if (threadIdx.x < CLUSTER) push_float(&sh.peer_max[rank], threadIdx.x, m);
   cluster_arrive();
   cluster_wait();
-  m = peer_max[0];
-  for (int r = 1; r < CLUSTER; ++r) m = max_nan(m, peer_max[r]);
+  m = sh.peer_max[0];
+  for (int r = 1; r < CLUSTER; ++r) m = max_nan(m, sh.peer_max[r]);
 
   // `scaled_max`: M = m / T, -0.0 made +0.0.
   float row_max = (TEMP ? __fdiv_rn(m, t) : m) + 0.0f;
@@ -339,19 +362,19 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
     e += __shfl_xor_sync(0xffffffffu, e, o);
   }
   if (lane == 0) {
-    warp_s[warp] = s;
-    warp_e[warp] = e;
+    sh.warp_s[warp] = s;
+    sh.warp_e[warp] = e;
   }
   __syncthreads();
   if (threadIdx.x < CLUSTER) {  // every block gets every block's sums: each can finish the row
     s = 0;
     e = 0;
     for (int w = 0; w < WARPS; ++w) {
-      s += warp_s[w];
-      e += warp_e[w];
+      s += sh.warp_s[w];
+      e += sh.warp_e[w];
     }
-    push_i64(&peer_s[rank], threadIdx.x, s);
-    push_i64(&peer_e[rank], threadIdx.x, e);
+    push_i64(&sh.peer_s[rank], threadIdx.x, s);
+    push_i64(&sh.peer_e[rank], threadIdx.x, e);
   }
   cluster_arrive();
   cluster_wait();
@@ -359,8 +382,8 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
   // `finalize_row`, in the same operations (in every thread: the same integers, the same results).
   i64 fixed = 0, entropy_fixed = 0;
   for (int r = 0; r < CLUSTER; ++r) {
-    fixed += peer_s[r];
-    entropy_fixed += peer_e[r];
+    fixed += sh.peer_s[r];
+    entropy_fixed += sh.peer_e[r];
   }
   entropy_fixed = 0 - entropy_fixed;
   const float nan = __int_as_float(0x7fc00000);

@@ -1,18 +1,23 @@
-"""The cluster forward (`kernels/cluster_row_stats.cu`, one HBM read per row): its slicing and its
-compilation for sm_90 on the CPU (NVRTC needs no GPU), and on a GPU of compute capability 9.0 or more
+"""The cluster forward (`kernels/cluster_row_stats.cu`, one HBM read per row): its slicing, its
+compilation for sm_90 on the CPU (NVRTC needs no GPU), its loading and launching through the driver
+(over a model of the driver), its own source run on the CPU under an emulation of the CUDA thread model
+(`emulation/`) against the contract's CPU path, and on a GPU of compute capability 9.0 or more
 the Triton forward's bits in every output (one label or several per row, every column's logprob), in
 eager calls, CUDA-graph replays and rollout plans, and the Triton path for the calls it does not take."""
 
 import ctypes
 import dataclasses
 import os
+import pathlib
 import re
+import struct
 import subprocess
 import tempfile
 
+import numpy
 import pytest
 import torch
-from helpers import HAS_CUDA, engine_request, mismatches, model_like_logits, random_labels
+from helpers import HAS_CUDA, bits, engine_request, mismatches, model_like_logits, random_labels
 
 from rl_logp.kernels import cluster_launch, cuda_source
 from rl_logp.kernels.launch import LaunchConfig
@@ -187,6 +192,108 @@ def _edge_rows(x, labels):
     x[4, vocab - 1] = float("inf")
     x[5, : vocab // 2] = -1e30 if x.dtype == torch.float32 else -3e38 if x.dtype == torch.bfloat16 else -6e4
     labels[6], labels[7], labels[8], labels[9] = -100, vocab, vocab - 1, 0
+
+
+EMULATION = pathlib.Path(__file__).with_name("emulation")
+_emulators: dict[tuple, pathlib.Path] = {}
+
+
+def _emulator(directory, element, cluster, entropy, temperature, threads) -> pathlib.Path:
+    """The kernel's source compiled for the CPU with `emulation/cluster_emulation.h` (every thread of a
+    cluster a CPU thread), once per variant."""
+    key = (element, cluster, entropy, temperature, threads)
+    if key not in _emulators:
+        binary = directory / ("emulator_" + "_".join(map(str, map(int, key))))
+        macros = cluster_launch.variant_options(element, cluster, entropy, temperature, threads, 98304)[1:]
+        subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-frounding-math", "-ffp-contract=off",
+                        "-DCLUSTER_HOST_EMULATION", f'-DKERNEL_SOURCE="{cluster_launch.SOURCE}"', *macros,
+                        f"-I{EMULATION}", str(EMULATION / "cluster_emulation_main.cpp"), "-o", str(binary)],
+                       check=True, capture_output=True, text=True)
+        _emulators[key] = binary
+    return _emulators[key]
+
+
+def _emulate(directory, x, labels, temperature, entropy, full, slice_bytes, threads):
+    """The cluster kernel's outputs for a launch as `ClusterLaunch` makes it (M, L, lse, the labels' logp,
+    entropy, every column's logprob), run on the CPU."""
+    n, vocab = x.shape
+    cluster, width = cluster_launch.cluster_width(vocab, x.element_size(), slice_bytes)
+    binary = _emulator(directory, cluster_launch.ELEMENT_CODES[x.dtype], cluster, entropy, temperature is not None,
+                       threads)
+    run_dir = pathlib.Path(tempfile.mkdtemp(dir=directory))
+    x.contiguous().view(torch.uint8).numpy().tofile(run_dir / "x.bin")
+    picks = 1 if labels is None or labels.dim() == 1 else labels.shape[1]
+    if labels is not None:
+        labels.contiguous().numpy().tofile(run_dir / "labels.bin")
+    t_bits = struct.unpack("<I", struct.pack("<f", 1.0 if temperature is None else temperature))[0]
+    subprocess.run([str(binary), str(run_dir), str(n), str(vocab), str(vocab * x.element_size()), str(picks),
+                    str(t_bits), str(vocab), str(width), str(int(labels is not None)), str(int(full))],
+                   check=True, capture_output=True, text=True, timeout=300)
+
+    def read(name, *shape):
+        return torch.from_numpy(numpy.fromfile(run_dir / f"{name}.bin", dtype=numpy.float32).reshape(shape))
+
+    return [read("max", n), read("log_sum", n), read("lse", n),
+            read("logp", *labels.shape) if labels is not None else None,
+            read("ent", n) if entropy else None, read("full", n, vocab) if full else None]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same bits, any NaN matching any NaN (on the CPU a NaN keeps its payload through max and
+    subtraction; on a GPU every NaN comes out canonical)."""
+    return bool(((bits(a) == bits(b)) | (a.isnan() & b.isnan())).all())
+
+
+# (logits' dtype, temperature, entropy, threads per block, blocks per row): every variant's macros, each
+# cluster size with each dtype, one warp and four warps per block.
+EMULATED = [(dtype, temperature, entropy, threads, cluster)
+            for dtype, clusters in ((torch.bfloat16, (2, 4, 8, 4)), (torch.float16, (8, 2, 4, 2)),
+                                    (torch.float32, (4, 8, 2, 8)))
+            for (temperature, entropy), cluster in zip(((False, False), (True, False), (False, True), (True, True)),
+                                                       clusters, strict=True)
+            for threads in ((32 if temperature and not entropy else 128 if temperature else 64)
+                            if dtype == torch.float32 else 64,)]
+
+
+@pytest.mark.parametrize(("dtype", "temperature", "entropy", "threads", "cluster"), EMULATED,
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_cluster_kernel_run_on_the_cpu_gives_the_contracts_bits(tmp_path_factory, dtype, temperature, entropy,
+                                                                 threads, cluster):
+    """The kernel's own source, built for the CPU with its threads as CPU threads (the barriers, shuffles
+    and pushes into a peer's shared memory emulated; `expf` the contract's CPU exponential), against the
+    contract's CPU path (the chunked engine), bit for bit in every output: rows with M = 0, all -inf,
+    mostly -inf, NaN, +inf and huge magnitudes, labels outside the vocabulary, one label per row and five
+    with every column, temperatures inside and outside the reciprocal's range, and a vocabulary that
+    leaves a block of the cluster without columns."""
+    from rl_logp.engines import make_engine
+
+    directory = tmp_path_factory.getbasetemp() / "cluster_emulation"
+    directory.mkdir(exist_ok=True)
+    engine = make_engine("chunked", 1 << 28)
+    size = torch.tensor([], dtype=dtype).element_size()
+    per_vector = 16 // size
+    # Slices without columns: 24 columns in 4 slices of 8 (the last empty); 72 in 8 of 16 (the last three,
+    # the first of which starts at column 80).
+    shapes = [(12, 1000), *{4: [(3, 24)], 8: [(3, 72)]}.get(cluster, [])]
+    for n, vocab in shapes:
+        slice_bytes = -(-vocab // (cluster * per_vector)) * per_vector * size  # the narrowest slices of `cluster`
+        assert cluster_launch.cluster_width(vocab, size, slice_bytes)[0] == cluster
+        x = model_like_logits(n, vocab, dtype, "cpu", seed=vocab + cluster)
+        labels = random_labels(n, vocab, "cpu", seed=cluster)
+        if n > 10:
+            _edge_rows(x, labels)
+        picks = torch.cat([labels[:, None], random_labels(n * 4, vocab, "cpu", seed=2).view(n, 4)], dim=1)
+        picks[:, 1] = -100
+        for t in (0.7, 1.3, 2.0**-11, 0.1) if temperature else (None,):
+            for ids, full in ((labels, False), (picks, True)):
+                req = engine_request(x, ids, t, engine="chunked", entropy=True)
+                req.normalizer, req.full = True, full
+                s = engine.row_stats(req)
+                want = [s.row_max, s.log_sum, s.lse, s.logp, s.entropy, s.full]
+                got = _emulate(directory, x, ids, t, entropy, full, slice_bytes, threads)
+                for name, a, b in zip(("M", "L", "lse", "logp", "entropy", "full"), got, want, strict=True):
+                    if a is not None:
+                        assert _same(a, b), (name, vocab, t, full, int((bits(a) != bits(b)).sum()))
 
 
 @needs_hopper

@@ -1,0 +1,217 @@
+// CUDA's thread model for `kernels/cluster_row_stats.cu` on the CPU: every thread of a cluster of blocks
+// runs as a CPU thread, so the kernel's own source (compiled with CLUSTER_HOST_EMULATION, which leaves out
+// its PTX helpers) runs here and its outputs can be compared with the contract's CPU path.
+//
+// Defined here: the kernel's PTX helpers (cluster rank and barriers, pushes into a peer's shared memory,
+// the slice copy and its wait, NaN-propagating max, fp16 widening) and the CUDA intrinsics it calls,
+// with the same IEEE results (round-toward-zero adds, correctly rounded division and fma); `expf` is the
+// contract's CPU exponential (the fp64 exp rounded to fp32), as the kernels' libdevice `expf` is the
+// contract's on a GPU. Shared memory is a per-block arena; a peer's is reached through the offset of the
+// local slot, as `mapa` maps it. Misuse the hardware would not forgive aborts with a message: a cluster
+// barrier waited on without an arrival, a push outside the shared state or to a rank outside the cluster,
+// a wait on a copy that was never started.
+#pragma once
+
+#include <barrier>
+#include <cfenv>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <math.h>
+#include <optional>
+
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __cluster_dims__(...)
+#define __align__(n) alignas(n)
+
+struct alignas(16) uint4 {
+  unsigned int x, y, z, w;
+};
+
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+
+namespace emu {
+
+[[noreturn]] inline void fail(const char* what) {
+  std::fprintf(stderr, "cluster emulation: %s\n", what);
+  std::abort();
+}
+
+struct Block {
+  std::barrier<>* threads;   // __syncthreads
+  std::barrier<>* warps;     // one per warp
+  unsigned char* arena;      // BLOCK_SHARED
+  std::size_t arena_bytes;
+  unsigned char* dynamic;    // DYNAMIC_SHARED
+  std::uint64_t* exchange;   // a slot per thread, for shuffles
+  int* flag;                 // __syncthreads_or
+  bool copy_started;
+};
+
+struct Cluster {
+  std::barrier<>* barrier;
+  Block* blocks;
+  unsigned size;
+};
+
+struct Thread {
+  Block* block;
+  Cluster* cluster;
+  unsigned rank;
+  std::optional<std::barrier<>::arrival_token> arrival;
+};
+
+inline thread_local Thread self;
+
+template <class T>
+std::uint64_t bits(T v) {
+  std::uint64_t b = 0;
+  std::memcpy(&b, &v, sizeof(T));
+  return b;
+}
+
+template <class To, class From>
+To cast(From v) {
+  static_assert(sizeof(To) == sizeof(From));
+  To t;
+  std::memcpy(&t, &v, sizeof(To));
+  return t;
+}
+
+}  // namespace emu
+
+struct Dim3 {
+  unsigned int x;
+};
+inline thread_local Dim3 threadIdx, blockIdx;
+
+template <class T>
+inline T min(T a, T b) { return b < a ? b : a; }
+template <class T>
+inline T max(T a, T b) { return a < b ? b : a; }
+
+inline float __int_as_float(int v) { return emu::cast<float>(v); }
+inline float __uint_as_float(unsigned int v) { return emu::cast<float>(v); }
+inline int __float_as_int(float v) { return emu::cast<int>(v); }
+inline unsigned int __float_as_uint(float v) { return emu::cast<unsigned int>(v); }
+
+inline float __fadd_rz(float a, float b) {
+  const int mode = std::fegetround();
+  std::fesetround(FE_TOWARDZERO);
+  volatile float r = a + b;
+  std::fesetround(mode);
+  return r;
+}
+
+inline float __fdiv_rn(float a, float b) {
+  volatile float r = a / b;
+  return r;
+}
+
+inline float emulated_expf(float x) { return (float)std::exp((double)x); }
+#define expf emulated_expf
+
+inline void __syncthreads() { emu::self.block->threads->arrive_and_wait(); }
+
+inline int __syncthreads_or(int predicate) {
+  emu::Block& b = *emu::self.block;
+  if (predicate) __atomic_fetch_or(b.flag, 1, __ATOMIC_SEQ_CST);
+  b.threads->arrive_and_wait();
+  const int any = __atomic_load_n(b.flag, __ATOMIC_SEQ_CST);
+  b.threads->arrive_and_wait();
+  if (threadIdx.x == 0) __atomic_store_n(b.flag, 0, __ATOMIC_SEQ_CST);
+  b.threads->arrive_and_wait();
+  return any;
+}
+
+template <class T>
+inline T __shfl_xor_sync(unsigned int mask, T v, int lane_mask) {
+  if (mask != 0xffffffffu) emu::fail("a shuffle over part of a warp");
+  emu::Block& b = *emu::self.block;
+  const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  b.exchange[threadIdx.x] = emu::bits(v);
+  b.warps[warp].arrive_and_wait();
+  T out;
+  std::memcpy(&out, &b.exchange[warp * 32 + (lane ^ (unsigned)lane_mask)], sizeof(T));
+  b.warps[warp].arrive_and_wait();
+  return out;
+}
+
+// The kernel's PTX helpers.
+inline unsigned int cluster_rank() { return emu::self.rank; }
+
+inline void cluster_arrive() {
+  if (emu::self.arrival) emu::fail("two cluster arrivals without a wait");
+  emu::self.arrival.emplace(emu::self.cluster->barrier->arrive());
+}
+inline void cluster_arrive_relaxed() { cluster_arrive(); }
+inline void cluster_wait() {
+  if (!emu::self.arrival) emu::fail("a cluster wait without an arrival");
+  emu::self.cluster->barrier->wait(std::move(*emu::self.arrival));
+  emu::self.arrival.reset();
+}
+
+template <class T>
+inline void push(const T* local_slot, unsigned int rank, T v) {
+  const auto* at = reinterpret_cast<const unsigned char*>(local_slot);
+  emu::Block& b = *emu::self.block;
+  if (at < b.arena || at + sizeof(T) > b.arena + b.arena_bytes) emu::fail("a push from outside the shared state");
+  if (rank >= emu::self.cluster->size) emu::fail("a push to a rank outside the cluster");
+  std::memcpy(emu::self.cluster->blocks[rank].arena + (at - b.arena), &v, sizeof(T));
+}
+inline void push_float(const float* local_slot, unsigned int rank, float v) { push(local_slot, rank, v); }
+inline void push_i64(const long long* local_slot, unsigned int rank, long long v) { push(local_slot, rank, v); }
+
+inline void start_slice_copy(unsigned char* slice, const unsigned char* src, unsigned int bytes, unsigned long long*) {
+  if (bytes % 16 || reinterpret_cast<std::uintptr_t>(src) % 16 || reinterpret_cast<std::uintptr_t>(slice) % 16)
+    emu::fail("a bulk copy of a size or at an address that is not a multiple of 16");
+  std::memcpy(slice, src, bytes);
+  emu::self.block->copy_started = true;
+}
+inline void wait_slice_copy(unsigned long long*) {
+  if (!emu::self.block->copy_started) emu::fail("a wait on a copy that was never started");
+}
+
+inline float max_nan(float a, float b) {
+  if (a != a || b != b) return __uint_as_float(0x7fffffffu);
+  if (a == b) return std::signbit(a) ? b : a;  // max(-0, +0) = +0
+  return a > b ? a : b;
+}
+
+inline float half_to_float(unsigned int bits16) {
+  const unsigned int sign = (bits16 & 0x8000u) << 16, exponent = (bits16 >> 10) & 0x1f, fraction = bits16 & 0x3ff;
+  if (exponent == 0x1f) return __uint_as_float(sign | 0x7f800000u | (fraction << 13));
+  if (exponent == 0) {
+    const float magnitude = std::ldexp((float)fraction, -24);  // subnormal (or zero): exact
+    return sign ? -magnitude : magnitude;
+  }
+  return __uint_as_float(sign | ((exponent + 112) << 23) | (fraction << 13));
+}
+
+inline unsigned int max_nan_pair(unsigned int a, unsigned int b) {
+  unsigned int out = 0;
+  for (int half = 0; half < 2; ++half) {
+    const unsigned int ha = (a >> (16 * half)) & 0xffffu, hb = (b >> (16 * half)) & 0xffffu;
+#if ELEM == 0
+    const float fa = __uint_as_float(ha << 16), fb = __uint_as_float(hb << 16);
+#else
+    const float fa = half_to_float(ha), fb = half_to_float(hb);
+#endif
+    const float m = max_nan(fa, fb);
+    const unsigned int pick = m != m ? 0x7fffu : (__float_as_uint(m) == __float_as_uint(fa) ? ha : hb);
+    out |= pick << (16 * half);
+  }
+  return out;
+}
+
+#define BLOCK_SHARED(type, name) type& name = *reinterpret_cast<type*>(emu::self.block->arena)
+#define DYNAMIC_SHARED(name) unsigned char* name = emu::self.block->dynamic
