@@ -253,6 +253,9 @@ EMULATED = [(dtype, temperature, entropy, threads, cluster)
                                                        clusters, strict=True)
             for threads in ((32 if temperature and not entropy else 128 if temperature else 64)
                             if dtype == torch.float32 else 64,)]
+# The launch's own slices (`LaunchConfig`) at Qwen2's vocabulary: 4 blocks of 256 threads for bf16, 8
+# blocks of 512 threads for fp32 (cluster None).
+EMULATED += [(torch.bfloat16, True, True, 256, None), (torch.float32, False, False, 512, None)]
 
 
 @pytest.mark.parametrize(("dtype", "temperature", "entropy", "threads", "cluster"), EMULATED,
@@ -263,8 +266,8 @@ def test_cluster_kernel_run_on_the_cpu_gives_the_contracts_bits(tmp_path_factory
     and pushes into a peer's shared memory emulated; `expf` the contract's CPU exponential), against the
     contract's CPU path (the chunked engine), bit for bit in every output: rows with M = 0, all -inf,
     mostly -inf, NaN, +inf and huge magnitudes, labels outside the vocabulary, one label per row and five
-    with every column, temperatures inside and outside the reciprocal's range, and a vocabulary that
-    leaves a block of the cluster without columns."""
+    with every column, temperatures inside and outside the reciprocal's range, vocabularies that leave
+    blocks of the cluster without columns, and the launch's own slices at a model's vocabulary."""
     from rl_logp.engines import make_engine
 
     directory = tmp_path_factory.getbasetemp() / "cluster_emulation"
@@ -274,12 +277,15 @@ def test_cluster_kernel_run_on_the_cpu_gives_the_contracts_bits(tmp_path_factory
     per_vector = 16 // size
     # Slices without columns: 24 columns in 4 slices of 8 (the last empty); 72 in 8 of 16 (the last three,
     # the first of which starts at column 80).
-    shapes = [(12, 1000), *{4: [(3, 24)], 8: [(3, 72)]}.get(cluster, [])]
+    shapes = [(12, 1000), *{4: [(3, 24)], 8: [(3, 72)]}.get(cluster, [])] if cluster else [(3, 151936)]
     for n, vocab in shapes:
-        slice_bytes = -(-vocab // (cluster * per_vector)) * per_vector * size  # the narrowest slices of `cluster`
-        assert cluster_launch.cluster_width(vocab, size, slice_bytes)[0] == cluster
-        x = model_like_logits(n, vocab, dtype, "cpu", seed=vocab + cluster)
-        labels = random_labels(n, vocab, "cpu", seed=cluster)
+        if cluster:
+            slice_bytes = -(-vocab // (cluster * per_vector)) * per_vector * size  # the narrowest slices
+            assert cluster_launch.cluster_width(vocab, size, slice_bytes)[0] == cluster
+        else:
+            slice_bytes = LaunchConfig().cluster_slice_bytes
+        x = model_like_logits(n, vocab, dtype, "cpu", seed=vocab + (cluster or 0))
+        labels = random_labels(n, vocab, "cpu", seed=cluster or 0)
         if n > 10:
             _edge_rows(x, labels)
         picks = torch.cat([labels[:, None], random_labels(n * 4, vocab, "cpu", seed=2).view(n, 4)], dim=1)
