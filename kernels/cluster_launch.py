@@ -121,7 +121,8 @@ class ClusterLaunch:
         self.slots = (0, *((2,) if labels is not None else ()), 10 if out_full is not None else 8)
 
     def run(self, args: list) -> None:
-        self.function.launch(self.grid, self.threads, self.shared, torch.cuda.current_stream(self.device).cuda_stream,
+        # The current stream's handle, as Triton's launches read it (no Stream object built per call).
+        self.function.launch(self.grid, self.threads, self.shared, torch._C._cuda_getCurrentRawStream(self.device),
                              args)
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> bool:
