@@ -3,8 +3,9 @@ driver, all through ctypes (no build step, no extension module).
 
 `compile_cubin` needs only NVRTC, no GPU: it runs on a CPU-only machine as well (the compile tests). NVRTC
 is found in the `nvidia` wheels' directories (`nvidia-cuda-nvrtc`, which CUDA builds of torch install)
-or on the loader's path. `Function` (a kernel loaded into a device's primary context, torch's) and its
-`launch` need a GPU; they make that context current where it is not (a thread that has not used the
+or on the loader's path. `Function` (a kernel loaded into a device's primary context, torch's), its
+`launch` and `launch_kernel` (which `launcher.DriverLaunch` also uses for Triton's compiled kernels) need
+a GPU; they make that context current where it is not (a thread that has not used the
 device yet) and load with this thread's stream-capture mode relaxed, so that a first use inside a
 CUDA-graph capture works.
 """
@@ -157,15 +158,21 @@ class Function:
                 _check(cuda.cuFuncLoad(self.handle), "function load")
 
     def launch(self, grid: int, block: int, shared: int, stream: int, args: Sequence[ctypes._SimpleCData]) -> None:
-        """One launch on `stream` (a CUDA stream handle of the function's context) with `args`, each a ctypes
-        value of the kernel's parameter type; the function's context is made current for it where it is
-        not."""
-        cuda = _driver()
-        params = (ctypes.c_void_p * len(args))(*map(ctypes.addressof, args))
-        now = ctypes.c_void_p()
-        cuda.cuCtxGetCurrent(ctypes.byref(now))
-        if now.value == self.context:
-            _check(cuda.cuLaunchKernel(self.handle, grid, 1, 1, block, 1, 1, shared, stream, params, None), "launch")
-            return
-        with current(self.context):
-            _check(cuda.cuLaunchKernel(self.handle, grid, 1, 1, block, 1, 1, shared, stream, params, None), "launch")
+        """One launch of `grid` blocks of `block` threads on `stream` (a CUDA stream handle of the function's
+        context) with `args`, each a ctypes value of the kernel's parameter type."""
+        launch_kernel(self.handle, self.context, (grid, 1, 1), block, shared, stream, args)
+
+
+def launch_kernel(function: int | ctypes.c_void_p, context: int, grid: tuple[int, int, int], block: int, shared: int,
+                  stream: int, args: Sequence[ctypes._SimpleCData]) -> None:
+    """One launch of a loaded kernel (`function`, a CUfunction of `context`) on `stream` with `args`, each a
+    ctypes value of the kernel's parameter type; `context` is made current for it where it is not."""
+    cuda = _driver()
+    params = (ctypes.c_void_p * len(args))(*map(ctypes.addressof, args))
+    now = ctypes.c_void_p()
+    cuda.cuCtxGetCurrent(ctypes.byref(now))
+    if now.value == context:
+        _check(cuda.cuLaunchKernel(function, *grid, block, 1, 1, shared, stream, params, None), "launch")
+        return
+    with current(context):
+        _check(cuda.cuLaunchKernel(function, *grid, block, 1, 1, shared, stream, params, None), "launch")

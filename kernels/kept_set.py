@@ -61,7 +61,9 @@ class KeptSetLaunch:
     per element, more gives narrower brackets); small, big: the two sizes of the sorted scratch row
     (powers of two; a bracket above big is bisected); pivots: keys tried per bisection pass;
     split_rows: the split plan for at most this many rows (0: never); split: programs per row in the
-    split plan (0: enough to give each SM `programs_per_sm` programs, at most `max_split`).
+    split plan (0: enough to give each SM `programs_per_sm` programs, at most `max_split`); driver: a bound
+    call's launches (`bind_kept_set`) go through the CUDA driver itself where the kernels' parameters are
+    known (`launcher.DriverLaunch`; False: Triton's launcher).
     """
 
     block: int = 4096
@@ -75,6 +77,7 @@ class KeptSetLaunch:
     split_rows: int = 64
     split: int = 0
     max_split: int = 64
+    driver: bool = True
 
 
 @triton.jit
@@ -325,7 +328,8 @@ def bind_kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tens
     bound = []
     with on_device(z):
         for launcher, grid, args in _launches(z, top_k, top_p, bits, threshold, workspace, write, draw, split, launch):
-            one = launcher.bind(grid, args, options, [next(i for i, a in enumerate(args) if a is t) for t in given])
+            one = launcher.bind(grid, args, options, [next(i for i, a in enumerate(args) if a is t) for t in given],
+                                direct=launch.driver)
             if one is None:
                 return None
             bound.append(one)

@@ -68,7 +68,9 @@ class LaunchConfig:
     of four columns per thread, `grad_sub`); cluster_rows: `row_stats` calls of at least this many rows
     take the cluster forward (`cluster_launch`: one HBM read per row) where it applies (0: never; a call it
     does not apply to takes the Triton kernels, the same bits); cluster_threads, cluster_slice_bytes: its
-    threads per block and the most bytes of a row one block holds.
+    threads per block and the most bytes of a row one block holds; driver: a rollout plan's launches
+    (`bind_row_stats`) go through the CUDA driver itself where the kernel's parameters are known
+    (`launcher.DriverLaunch`; False: Triton's launcher, which costs more host time per call).
     """
 
     chunk: int = 4096
@@ -89,6 +91,7 @@ class LaunchConfig:
     cluster_rows: int = 0
     cluster_threads: int = 256
     cluster_slice_bytes: int = 98304
+    driver: bool = True
 
 
 @functools.lru_cache(maxsize=8)
@@ -260,7 +263,7 @@ def bind_row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int,
     tensors = [t for t in (x, labels, out_logp, out_full) if t is not None]
     slots = [next(i for i, a in enumerate(args) if a is t) for t in tensors]
     with on_device(x):
-        return row_stats_launch.bind(grid, args, options, slots)
+        return row_stats_launch.bind(grid, args, options, slots, direct=cfg.driver)
 
 
 def shard_max(x: torch.Tensor, temp_mode: int, temp_rows: torch.Tensor | None, t_scalar: float,

@@ -28,11 +28,19 @@ nothing (Triton 3.6's hooks are HookChains, never None); this passes None for th
 arguments again and again with only some tensors changing (a rollout's call at every decode step): a
 `BoundLaunch` holding the arguments and the compiled kernel, which per call checks only what can differ
 (each new tensor's dtype and alignment, the current device, the knobs and hooks, the globals) and declines
-(launching nothing) where the launcher's key would differ.
+(launching nothing) where the launcher's key would differ. With `direct=True` it launches through the
+CUDA driver itself (`DriverLaunch`): the kernel's parameters packed once as Triton's launcher packs them
+(`driver_values`: every parameter that is not a constexpr, then the global and profile scratch pointers,
+null), only the new tensors' pointers per call; Triton's launcher instead parses every argument and asks
+the driver about every pointer at every call. Where the packing cannot be known for sure (another
+parameter type, scratch memory, clusters, cooperative or PDL launches, or parameters in the kernel's PTX
+that are not the ones packed), the bound launch keeps Triton's launcher.
 """
 
 from __future__ import annotations
 
+import ctypes
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +51,7 @@ from triton.knobs import HookChain
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
+from . import cuda_source
 from .fixed_point import INTERPRET
 
 _MISSING, _UNSEEN = object(), object()
@@ -140,10 +149,11 @@ class CachedLauncher:
                                        f"kernel, from {value} to {now}")
                 seen[name_scope] = now
 
-    def bind(self, grid: tuple[int, ...], args: Sequence[Any], options: dict[str, Any],
-             slots: Sequence[int]) -> BoundLaunch | None:
+    def bind(self, grid: tuple[int, ...], args: Sequence[Any], options: dict[str, Any], slots: Sequence[int],
+             direct: bool = False) -> BoundLaunch | None:
         """This launch with the tensors at `slots` left to each call (`BoundLaunch`), once `self(grid, args,
         options)` has run; None where that launch would not take the fast path (or has not been compiled).
+        `direct`: launch through the driver where the kernel's parameters are known (`DriverLaunch`).
         Under the interpreter the bound launch is Triton's plain launch."""
         if not all(type(args[s]) is torch.Tensor for s in slots):
             return None
@@ -154,7 +164,11 @@ class CachedLauncher:
             return None
         head = self._head(driver.active.get_current_device())
         entry = self.cache.get((*head, str(options), *items))
-        return None if entry is None else BoundLaunch(self, grid, args, options, slots, head, entry)
+        if entry is None:
+            return None
+        values = driver_values(entry[0], args) if direct else None
+        through = None if values is None else DriverLaunch(entry[0], entry[2], grid, args, values, slots, head[0])
+        return BoundLaunch(self, grid, args, options, slots, head, entry, through)
 
 
 def _run(entry: tuple, grid: tuple[int, ...], device: int, args: Sequence[Any]) -> None:
@@ -173,14 +187,16 @@ class BoundLaunch:
     raises as Triton does. It holds the other arguments (not the tensors of the slots), so a caller binds
     only what its own key fixes."""
 
-    __slots__ = ("args", "entry", "grid", "head", "launcher", "options", "slots", "tensor_keys")
+    __slots__ = ("args", "entry", "grid", "head", "launcher", "options", "slots", "tensor_keys", "through")
 
     def __init__(self, launcher: CachedLauncher, grid: tuple[int, ...], args: Sequence[Any], options: dict[str, Any],
-                 slots: Sequence[int], head: tuple | None, entry: tuple | None) -> None:
+                 slots: Sequence[int], head: tuple | None, entry: tuple | None,
+                 through: DriverLaunch | None = None) -> None:
         self.launcher, self.grid, self.options, self.slots = launcher, grid, options, tuple(slots)
         self.args = [None if i in self.slots else a for i, a in enumerate(args)]  # holds no tensor of a slot
         self.tensor_keys = tuple((args[s].dtype, not args[s].data_ptr() & 15) for s in slots)
         self.head, self.entry = head, entry  # entry None: Triton's plain launch (the interpreter)
+        self.through = through  # None: Triton's launcher
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> bool:
         args = self.args.copy()
@@ -196,5 +212,83 @@ class BoundLaunch:
         if launcher._plain_only(self.grid, args) or launcher._head(device) != self.head:
             return False
         launcher.check_globals()
-        _run(self.entry, self.grid, device, args)
+        if self.through is None:
+            _run(self.entry, self.grid, device, args)
+        else:
+            self.through(driver.active.get_current_stream(device), tensors)
         return True
+
+
+# ctypes of the kernel parameters Triton's launcher passes by value (its `ty_to_cpp`; floats as their bits)
+_PARAM_TYPES = {"i1": ctypes.c_int8, "i8": ctypes.c_int8, "i16": ctypes.c_int16, "i32": ctypes.c_int32,
+                "i64": ctypes.c_int64, "u1": ctypes.c_uint8, "u8": ctypes.c_uint8, "u16": ctypes.c_uint16,
+                "u32": ctypes.c_uint32, "u64": ctypes.c_uint64, "fp32": ctypes.c_float, "f32": ctypes.c_float,
+                "fp64": ctypes.c_double}
+_SCRATCH_POINTERS = 2  # Triton 3.6's launcher appends the global and the profile scratch pointers
+_PTX_PARAM_BITS = re.compile(r"\.param\s+\.[a-z]+(\d+)\b")
+
+
+def _ptx_param_bytes(ptx: str | None, name: str) -> list[int] | None:
+    """The byte size of each parameter of the entry `name` in `ptx`, in order."""
+    entry = re.search(rf"\.entry\s+{re.escape(name)}\s*\((.*?)\)", ptx or "", re.S)
+    if entry is None:
+        return None
+    params = [p for p in entry.group(1).split(",") if p.strip()]
+    sizes = [_PTX_PARAM_BITS.search(p) for p in params]
+    return None if not all(sizes) else [int(m.group(1)) // 8 for m in sizes]
+
+
+def driver_values(compiled: Any, args: Sequence[Any]) -> list | None:
+    """The parameters Triton's launcher passes `compiled` for `args` as ctypes values, in order: each
+    argument that is not a constexpr (a tensor as its data pointer), then the scratch pointers (null);
+    None where that cannot be known for sure (see the module docstring). Checked against the kernel's own
+    PTX: as many parameters, each of the packed size."""
+    meta = getattr(compiled, "metadata", None)
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
+    if (meta is None or getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", True)
+            or getattr(meta, "launch_pdl", True) or getattr(meta, "global_scratch_size", 1)
+            or getattr(meta, "profile_scratch_size", 1) or getattr(meta, "tensordesc_meta", None)
+            or not isinstance(signature, dict) or len(signature) != len(args)):
+        return None
+    values = []
+    for ty, a in zip(signature.values(), args, strict=True):
+        if ty == "constexpr":
+            if type(a) is torch.Tensor:
+                return None
+            continue
+        if not isinstance(ty, str):
+            return None
+        if ty.startswith("*") and type(a) is torch.Tensor:
+            values.append(ctypes.c_uint64(a.data_ptr()))
+        elif ty in _PARAM_TYPES and type(a) in ((int, float) if ty[0] == "f" else (int, bool)):
+            values.append(_PARAM_TYPES[ty](a))
+        else:
+            return None
+    values += [ctypes.c_uint64(0)] * _SCRATCH_POINTERS
+    if _ptx_param_bytes(compiled.asm.get("ptx"), compiled.name) != [ctypes.sizeof(v) for v in values]:
+        return None
+    return values
+
+
+class DriverLaunch:
+    """A compiled Triton kernel's launch through the CUDA driver (`cuda_source.launch_kernel`) with the
+    parameters `driver_values` packed, the tensors of `slots` replaced at each call: the grid, block
+    (32 threads a warp), dynamic shared memory and parameters Triton's launcher would pass."""
+
+    __slots__ = ("block", "context", "function", "grid", "shared", "slot_at", "values")
+
+    def __init__(self, compiled: Any, function: int, grid: tuple[int, ...], args: Sequence[Any], values: list,
+                 slots: Sequence[int], device: int) -> None:
+        n = len(grid)
+        self.grid = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
+        self.block, self.shared = 32 * compiled.metadata.num_warps, compiled.metadata.shared
+        self.function, self.values, self.context = function, values, cuda_source.primary_context(device)
+        passed = [i for i, ty in enumerate(compiled.src.signature.values()) if ty != "constexpr"]
+        self.slot_at = tuple(passed.index(s) for s in slots)  # each slot's place among the parameters
+
+    def __call__(self, stream: int, tensors: Sequence[torch.Tensor]) -> None:
+        values = self.values.copy()  # a call's own pointers: bound launches may run on several threads
+        for at, t in zip(self.slot_at, tensors, strict=True):
+            values[at] = ctypes.c_uint64(t.data_ptr())
+        if self.grid[0] and self.grid[1] and self.grid[2]:  # Triton's launcher launches no empty grid
+            cuda_source.launch_kernel(self.function, self.context, self.grid, self.block, self.shared, stream, values)

@@ -3,6 +3,7 @@ backend/device matrix (CPU twins of the GPU tests run the same functions with ot
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 
@@ -157,3 +158,76 @@ def make_engine(backend: str, chunk_bytes: int = 1 << 28):
     from rl_logp.engines import make_engine as make
 
     return make(backend, chunk_bytes)
+
+
+class FakeDriver:
+    """The CUDA driver calls `cuda_source` makes, modelled: a thread's current context and capture mode, a
+    stream capture in progress (in the global mode, torch's default, it refuses a module load on every
+    thread whose mode is not relaxed) and a record of the loads and launches."""
+
+    PRIMARY = 0xC0
+
+    def __init__(self, current=None, capturing=False, load_result=0):
+        self.current, self.capturing, self.load_result = current, capturing, load_result
+        self.mode, self.stack, self.events = 0, [], []
+        self.param_sizes, self.launched = None, []
+
+    def cuGetErrorName(self, result, ref):
+        ref._obj.value = b"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED" if result == 900 else b"CUDA_ERROR_UNKNOWN"
+        return 0
+
+    def cuDeviceGet(self, ref, index):
+        ref._obj.value = index
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, ref, device):
+        ref._obj.value = self.PRIMARY + device.value
+        return 0
+
+    def cuCtxGetCurrent(self, ref):
+        ref._obj.value = self.current
+        return 0
+
+    def cuCtxPushCurrent_v2(self, context):
+        self.stack.append(self.current)
+        self.current = context
+        return 0
+
+    def cuCtxPopCurrent_v2(self, ref):
+        ref._obj.value, self.current = self.current, self.stack.pop()
+        return 0
+
+    def cuThreadExchangeStreamCaptureMode(self, ref):
+        ref._obj.value, self.mode = self.mode, ref._obj.value
+        return 0
+
+    def cuModuleLoadData(self, ref, cubin):
+        if self.capturing and self.mode != 2:
+            return 900  # CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+        if self.load_result:
+            return self.load_result
+        self.events.append(("load", self.current))
+        ref._obj.value = 0x1000
+        return 0
+
+    def cuModuleGetFunction(self, ref, module, name):
+        ref._obj.value = 0x2000
+        return 0
+
+    def cuFuncSetAttribute(self, handle, attribute, value):
+        self.events.append(("shared", value))
+        return 0
+
+    def cuFuncLoad(self, handle):
+        self.events.append(("function load", self.current))
+        return 0
+
+    def cuLaunchKernel(self, handle, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        """Recorded: the context current, the grid's x (and with `param_sizes` set, the handle, the whole
+        grid and block and each parameter's bytes, read at the launch as the driver reads them)."""
+        self.events.append(("launch", self.current, gx, bx, shared, stream))
+        if self.param_sizes is not None:
+            assert len(params) == len(self.param_sizes)
+            self.launched.append((handle, (gx, gy, gz), (bx, by, bz), shared, stream,
+                                  [ctypes.string_at(p, n) for p, n in zip(params, self.param_sizes, strict=True)]))
+        return 0

@@ -17,7 +17,7 @@ import tempfile
 import numpy
 import pytest
 import torch
-from helpers import HAS_CUDA, bits, engine_request, mismatches, model_like_logits, random_labels
+from helpers import HAS_CUDA, FakeDriver, bits, engine_request, mismatches, model_like_logits, random_labels
 
 from rl_logp.kernels import cluster_launch, cuda_source
 from rl_logp.kernels.launch import LaunchConfig
@@ -70,76 +70,10 @@ def test_a_compile_error_names_the_kernel_and_shows_the_log():
         cuda_source.compile_cubin('extern "C" __global__ void broken() { undefined_name(); }', "broken", "sm_90", [])
 
 
-class _Driver:
-    """The CUDA driver calls `cuda_source` makes, modelled: a thread's current context and capture mode, a
-    stream capture in progress (in the global mode, torch's default, it refuses a module load on every
-    thread whose mode is not relaxed) and a record of the loads and launches."""
-
-    PRIMARY = 0xC0
-
-    def __init__(self, current=None, capturing=False, load_result=0):
-        self.current, self.capturing, self.load_result = current, capturing, load_result
-        self.mode, self.stack, self.events = 0, [], []
-
-    def cuGetErrorName(self, result, ref):
-        ref._obj.value = b"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED" if result == 900 else b"CUDA_ERROR_UNKNOWN"
-        return 0
-
-    def cuDeviceGet(self, ref, index):
-        ref._obj.value = index
-        return 0
-
-    def cuDevicePrimaryCtxRetain(self, ref, device):
-        ref._obj.value = self.PRIMARY + device.value
-        return 0
-
-    def cuCtxGetCurrent(self, ref):
-        ref._obj.value = self.current
-        return 0
-
-    def cuCtxPushCurrent_v2(self, context):
-        self.stack.append(self.current)
-        self.current = context
-        return 0
-
-    def cuCtxPopCurrent_v2(self, ref):
-        ref._obj.value, self.current = self.current, self.stack.pop()
-        return 0
-
-    def cuThreadExchangeStreamCaptureMode(self, ref):
-        ref._obj.value, self.mode = self.mode, ref._obj.value
-        return 0
-
-    def cuModuleLoadData(self, ref, cubin):
-        if self.capturing and self.mode != 2:
-            return 900  # CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
-        if self.load_result:
-            return self.load_result
-        self.events.append(("load", self.current))
-        ref._obj.value = 0x1000
-        return 0
-
-    def cuModuleGetFunction(self, ref, module, name):
-        ref._obj.value = 0x2000
-        return 0
-
-    def cuFuncSetAttribute(self, handle, attribute, value):
-        self.events.append(("shared", value))
-        return 0
-
-    def cuFuncLoad(self, handle):
-        self.events.append(("function load", self.current))
-        return 0
-
-    def cuLaunchKernel(self, handle, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        self.events.append(("launch", self.current, gx, bx, shared, stream))
-        return 0
-
-
 @pytest.fixture
 def driver(monkeypatch):
     def use(**state):
-        fake = _Driver(**state)
+        fake = FakeDriver(**state)
         monkeypatch.setattr(cuda_source, "_driver", lambda: fake)
         cuda_source.primary_context.cache_clear()
         return fake
@@ -149,7 +83,7 @@ def driver(monkeypatch):
 
 
 @pytest.mark.parametrize("capturing", [False, True], ids=["eager", "capturing"])
-@pytest.mark.parametrize("current", [None, _Driver.PRIMARY + 1, 0xBEEF], ids=["no context", "primary", "another"])
+@pytest.mark.parametrize("current", [None, FakeDriver.PRIMARY + 1, 0xBEEF], ids=["no context", "primary", "another"])
 def test_a_kernel_loads_and_launches_in_the_devices_primary_context(driver, current, capturing):
     """A first use on a thread that has not used the device (no current context), on one where torch's is
     current, or where another context is, and inside a global-mode CUDA-graph capture: the module loads at
@@ -157,7 +91,7 @@ def test_a_kernel_loads_and_launches_in_the_devices_primary_context(driver, curr
     mode are what they were after each."""
     fake = driver(current=current, capturing=capturing)
     function = cuda_source.Function(b"cubin", "kernel", 98304, 1)
-    primary = _Driver.PRIMARY + 1
+    primary = FakeDriver.PRIMARY + 1
     assert fake.events == [("load", primary), ("shared", 98304), ("function load", primary)]
     assert (fake.current, fake.mode, fake.stack) == (current, 0, [])
     function.launch(12, 256, 4096, 0x5, [ctypes.c_int32(3)])

@@ -2,23 +2,30 @@
 `kernel[grid](*args, **options)` launches: under the interpreter here, through its fast path on a GPU, and
 through its fast path on the CPU with Triton's driver and compiled kernel stood in for."""
 
+import ctypes
 import itertools
 import random
+import re
+import struct
 
+import numpy
 import pytest
 import torch
 import triton
 import triton.language as tl
+from helpers import FakeDriver
 from triton import knobs
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
-from triton.compiler import CompiledKernel
+from triton.backends.nvidia.driver import make_launcher
+from triton.compiler import ASTSource, CompiledKernel
 from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
 
+from rl_logp.kernels import cuda_source
 from rl_logp.kernels import launcher as launcher_module
 from rl_logp.kernels.fixed_point import INTERPRET
-from rl_logp.kernels.launcher import CachedLauncher, arg_key
+from rl_logp.kernels.launcher import CachedLauncher, arg_key, driver_values
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -419,3 +426,163 @@ def test_gpu_bound_launch():
     misaligned = torch.randn(1001, device="cuda")[1:]
     assert bound((misaligned, torch.empty(1000, device="cuda"))) is False
     assert len(launch.cache) == 1
+
+
+@needs_cuda
+def test_gpu_bound_launch_through_the_driver():
+    """A bound launch through the CUDA driver (`DriverLaunch`) computes what Triton's launcher does, with
+    and without the optional tensor, and declines a misaligned tensor."""
+    launch = CachedLauncher(_affine_kernel)
+    x, out, add = torch.randn(1000, device="cuda"), torch.empty(1000, device="cuda"), torch.randn(1000, device="cuda")
+    for extra in (None, add):
+        args = (x, out, extra, 1000, 0.5, 128)
+        launch((8,), args, OPTIONS)
+        slots = (0, 1) if extra is None else (0, 1, 2)
+        bound = launch.bind((8,), args, OPTIONS, slots, direct=True)
+        assert bound.through is not None
+        for _ in range(3):
+            x2, out2, add2 = torch.randn(1000, device="cuda"), torch.full((1000,), -7.0, device="cuda"), torch.randn(
+                1000, device="cuda")
+            tensors = (x2, out2) if extra is None else (x2, out2, add2)
+            assert bound(tensors) and torch.equal(out2, _expected(x2, None if extra is None else add2, 1000, 0.5))
+        misaligned = torch.randn(1001, device="cuda")[1:]
+        assert bound((misaligned, *tensors[1:])) is False
+
+
+def _compiled_probe(args, options):
+    """`_probe` compiled for sm_90 as `kernel[grid](*args, **options)` would compile it (Triton's own
+    compiler and ptxas, on the CPU)."""
+    kernel = JITFunction(_probe, do_not_specialize=["m"])
+    binder = create_function_from_signature(kernel.signature, kernel.params, BACKEND)
+    bound, spec, parsed = binder(*args, **options, debug=False, instrumentation_mode="")
+    parsed, signature, constexprs, attrs = kernel._pack_args(BACKEND, options, bound, spec, parsed)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=BACKEND.target,
+                          options=parsed.__dict__)
+
+
+_C_FORMATS = {"CUdeviceptr": "<Q", "int8_t": "<b", "int16_t": "<h", "int32_t": "<i", "int64_t": "<q",
+              "uint8_t": "<B", "uint16_t": "<H", "uint32_t": "<I", "uint64_t": "<Q"}
+
+
+def _triton_passes(compiled, args) -> list[bytes]:
+    """The bytes of each parameter Triton's own generated launcher passes `compiled` for `args`: its
+    `_launch` declares a C type per argument that is not a constexpr, and its `params` array holds those
+    and the global and profile scratch pointers (null: no scratch memory); floats travel as their fp32 or
+    fp64 bits (`pack_fp32`: the value rounded to fp32)."""
+    source = make_launcher(getattr(compiled.src, "constants", {}), dict(compiled.src.signature), None)
+    declared = re.search(r"static void _launch\((.*?)\)", source).group(1).split(", ")
+    c_types = dict(reversed(d.rsplit(" ", 1)) for d in declared)
+    order = re.search(r"void \*params\[\] = \{ (.*?) \};", source).group(1).split(", ")
+    assert order[-2:] == ["&global_scratch", "&profile_scratch"]
+    types = list(compiled.src.signature.values())
+    out = []
+    for name in order[:-2]:
+        i = int(name.removeprefix("&arg"))
+        value, c_type = args[i], c_types[name[1:]]
+        if types[i].startswith("*"):
+            out.append(struct.pack("<Q", value.data_ptr()))
+        elif types[i] in ("fp32", "f32"):
+            with numpy.errstate(over="ignore"):  # C's (float)f: to nearest, inf beyond the range
+                out.append(numpy.array(value, dtype="<f4").tobytes())
+        elif types[i] == "fp64":
+            out.append(struct.pack("<d", value))
+        else:
+            out.append(struct.pack(_C_FORMATS[c_type], value))
+    return [*out, bytes(8), bytes(8)]
+
+
+def _value_bytes(values) -> list[bytes]:
+    return [ctypes.string_at(ctypes.addressof(v), ctypes.sizeof(v)) for v in values]
+
+
+def test_driver_values_are_the_parameters_tritons_launcher_passes():
+    """For kernels Triton compiled for sm_90 (on the CPU), `driver_values` packs exactly the bytes Triton's
+    generated launcher passes: pointers, i32 / i64 / u64 integers, fp32 values rounded as Triton rounds them
+    (NaN, -0.0, a subnormal, an overflow to inf), booleans; constexprs (the value 1, None) left out; the
+    two scratch pointers last. Checked against the kernel's PTX parameters as well (or it returns None)."""
+    x, y = torch.empty(64), torch.empty(64, dtype=torch.bfloat16)
+    cases = [
+        (x, y, 17, 16, 5, 0.5, True, 32, 1),
+        (x[1:], y, 1, 2**31, -7, float("nan"), False, 16, 0),  # n = 1 a constexpr; m an i64
+        (x, None, 2**40, -3, 2**62, -0.0, True, 64, 2),  # Y None: a constexpr
+        (x, y, 2**63 + 5, 0, -(2**63), 1e-45, False, 32, 1),  # a u64
+        (x, y, 33, 7, 1, 1e39, True, 32, 1),  # k = 1 is no constexpr: annotated tl.int64
+    ]
+    for args in cases:
+        compiled = _compiled_probe(args, {"num_warps": 4})
+        values = driver_values(compiled, args)
+        assert values is not None, args
+        assert _value_bytes(values) == _triton_passes(compiled, args), args
+
+
+def test_driver_values_decline_what_they_cannot_pack():
+    args = (torch.empty(64), torch.empty(64, dtype=torch.bfloat16), 17, 16, 5, 0.5, True, 32, 1)
+    compiled = _compiled_probe(args, {"num_warps": 4})
+    assert driver_values(compiled, args) is not None
+    wrong = [("a missing parameter", args[:-1]), ("an int where Triton compiled a pointer", (0, *args[1:]))]
+    for name, changed in wrong:
+        assert driver_values(compiled, changed) is None, name
+    for field, value in [("global_scratch_size", 128), ("profile_scratch_size", 64), ("num_ctas", 2),
+                         ("launch_cooperative_grid", True), ("launch_pdl", True)]:
+        meta = compiled.metadata
+        compiled.metadata = meta._replace(**{field: value})
+        assert driver_values(compiled, args) is None, field
+        compiled.metadata = meta
+    ptx = compiled.asm["ptx"]
+    compiled.asm["ptx"] = ptx.replace(".param .u32", ".param .u64", 1)  # a parameter of another size
+    assert driver_values(compiled, args) is None
+    compiled.asm["ptx"] = ptx
+
+
+def test_bound_launch_through_the_driver_passes_what_tritons_launcher_would(monkeypatch):
+    """`bind(..., direct=True)` of a kernel Triton compiled for sm_90: each call launches through the
+    driver (over a model of it), in the device's primary context, with the grid, block, shared memory,
+    stream and the parameter bytes of the new tensors that Triton's launcher would pass, and never
+    through Triton's launcher; it declines as the launcher's key would (a misaligned tensor, a launch
+    hook), and `direct=False` keeps Triton's launcher."""
+    monkeypatch.setattr(launcher_module, "INTERPRET", False)
+    monkeypatch.setattr(launcher_module, "driver", _Driver)
+    fake = FakeDriver(current=None)  # a thread that has not used the device
+    monkeypatch.setattr(cuda_source, "_driver", lambda: fake)
+    cuda_source.primary_context.cache_clear()
+    kernel = JITFunction(_probe, do_not_specialize=["m"])
+    triton_launches, compiled_kernels = [], []
+
+    def run(*args, grid, warmup, **options):
+        compiled = _compiled_probe(args, options)
+        compiled.module, compiled.function = object(), 0x2000  # loaded (stood in for)
+        compiled._run = lambda *a: triton_launches.append(a)
+        compiled.run(*grid, 1, 1, 777, compiled.function, compiled.packed_metadata, None, None, None, *args)
+        compiled_kernels.append(compiled)
+        return compiled
+
+    kernel.run = run
+    launch = CachedLauncher(kernel)
+    x, y = torch.empty(64), torch.empty(64, dtype=torch.bfloat16)
+    args, options = (x, y, 17, 16, 5, 0.5, True, 32, 1), {"num_warps": 4}
+    launch((3, 2), args, options)
+    bound = launch.bind((3, 2), args, options, (0, 1), direct=True)
+    assert bound.through is not None and len(triton_launches) == 1
+    for new_x, new_y in [(torch.empty(32), torch.empty(64, dtype=torch.bfloat16)), (x, y)]:
+        expected = _triton_passes(compiled_kernels[0], (new_x, new_y, *args[2:]))
+        fake.param_sizes = [len(b) for b in expected]
+        assert bound((new_x, new_y))
+        assert fake.launched[-1] == (0x2000, (3, 2, 1), (128, 1, 1), compiled_kernels[0].metadata.shared, 777,
+                                     expected)
+        assert fake.events[-1][:2] == ("launch", FakeDriver.PRIMARY) and fake.current is None
+    assert len(triton_launches) == 1 and len(fake.launched) == 2
+    assert bound((x[1:], y)) is False  # another alignment: another specialization
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    assert bound((x, y)) is False
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
+    plain = launch.bind((3, 2), args, options, (0, 1))
+    assert plain.through is None and plain((x, y)) and len(triton_launches) == 2 and len(fake.launched) == 2
+    # X None (a constexpr) before the one tensor left to each call: Y is the kernel's first parameter
+    shifted = (None, y, 17, 16, 5, 0.5, True, 32, 1)
+    launch((4,), shifted, {"num_warps": 2})
+    bound = launch.bind((4,), shifted, {"num_warps": 2}, (1,), direct=True)
+    new_y = torch.empty(64, dtype=torch.bfloat16)
+    expected = _triton_passes(compiled_kernels[-1], (None, new_y, *shifted[2:]))
+    fake.param_sizes = [len(b) for b in expected]
+    assert bound((new_y,)) and fake.launched[-1][1:3] == ((4, 1, 1), (64, 1, 1)) and fake.launched[-1][5] == expected
+    cuda_source.primary_context.cache_clear()
