@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: lay out the package, install the carried wheels (.whl/, see
 # benchmarks/make_device_bundle.sh), then run the stages named in STAGES (default: tests bench):
-#   tests     the GPU tests (TEST_FILES, TEST_FILTER) -> $OUT/gpu_tests.txt
+#   tests     the GPU tests (TEST_FILES: groups of files separated by ';', a process each; TEST_FILTER)
+#             -> $OUT/gpu_tests.txt
 #   sweep     bench_logp.py --suites sweep: launch variants of the fused kernels -> $OUT/h200_sweep.json
 #   calls     bench_logp.py --suites rollout overhead tp (CALLS_SUITES, more arguments in CALLS_ARGS): rollout-size
 #             calls, host time, TP agreement cost -> $OUT/h200_calls.json
@@ -46,9 +47,16 @@ quiet() { grep -vE '^(INFO|WARNING|DEBUG)|Failed to import from vllm'; }
 for stage in ${STAGES}; do
   case "${stage}" in
     tests)
-      # shellcheck disable=SC2086
-      timeout "${TEST_TIMEOUT:-240}" python3 -P -m pytest -q ${TEST_FILES:-tests/test_fused_kernel.py tests/test_invariance.py tests/test_compile.py tests/test_tp_agreement.py tests/test_entropy.py tests/test_api_and_config.py tests/test_reference_accuracy.py tests/test_launcher.py tests/test_rollout_calls.py tests/test_temperature_kernel.py tests/test_cluster_forward.py} \
-        -k "${TEST_FILTER:-not cpu and not world}" -p no:cacheprovider -rA -v 2>&1 | quiet > "$OUT/gpu_tests.txt"
+      # Groups of files separated by ';', each in a pytest process of its own (TEST_TIMEOUT each), so that a
+      # kernel fault in one (a poisoned CUDA context) cannot fail the others: the driver launches first,
+      # the cluster forward last.
+      : > "$OUT/gpu_tests.txt"
+      IFS=';' read -ra TEST_GROUPS <<< "${TEST_FILES:-tests/test_launcher.py; tests/test_fused_kernel.py tests/test_invariance.py tests/test_compile.py tests/test_tp_agreement.py tests/test_entropy.py tests/test_api_and_config.py tests/test_reference_accuracy.py tests/test_rollout_calls.py tests/test_temperature_kernel.py; tests/test_cluster_forward.py}"
+      for group in "${TEST_GROUPS[@]}"; do
+        # shellcheck disable=SC2086
+        timeout "${TEST_TIMEOUT:-240}" python3 -P -m pytest -q ${group} -k "${TEST_FILTER:-not cpu and not world}" \
+          -p no:cacheprovider -rA -v 2>&1 | quiet >> "$OUT/gpu_tests.txt"
+      done
       grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/gpu_tests.txt" | tail -25 ;;
     sweep)
       timeout "${SWEEP_TIMEOUT:-300}" python3 -P benchmarks/bench_logp.py --suites sweep --rows 32768 \
