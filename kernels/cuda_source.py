@@ -94,16 +94,20 @@ def _driver() -> ctypes.CDLL:
     cuda.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     cuda.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
         ctypes.c_void_p, pointer, ctypes.c_void_p]
-    _check(cuda.cuInit(0), "initialisation")
+    _raise_on(cuda, cuda.cuInit(0), "initialisation")
     return cuda
 
 
-def _check(result: int, what: str) -> None:
+def _raise_on(cuda: ctypes.CDLL, result: int, what: str) -> None:
     if result != 0:
         name = ctypes.c_char_p()
-        known = _driver().cuGetErrorName(result, ctypes.byref(name)) == 0 and name.value
+        known = cuda.cuGetErrorName(result, ctypes.byref(name)) == 0 and name.value
         raise RuntimeError(f"rl_logp: the CUDA driver's {what} failed with error {result}"
                            + (f" ({name.value.decode()})" if known else ""))
+
+
+def _check(result: int, what: str) -> None:
+    _raise_on(_driver(), result, what)
 
 
 @functools.cache
