@@ -167,7 +167,7 @@ class CachedLauncher:
         if entry is None:
             return None
         values = driver_values(entry[0], args) if direct else None
-        through = None if values is None else DriverLaunch(entry[0], entry[2], grid, args, values, slots, head[0])
+        through = None if values is None else DriverLaunch(entry[0], entry[2], grid, values, slots, head[0])
         return BoundLaunch(self, grid, args, options, slots, head, entry, through)
 
 
@@ -277,8 +277,8 @@ class DriverLaunch:
 
     __slots__ = ("block", "context", "function", "grid", "shared", "slot_at", "values")
 
-    def __init__(self, compiled: Any, function: int, grid: tuple[int, ...], args: Sequence[Any], values: list,
-                 slots: Sequence[int], device: int) -> None:
+    def __init__(self, compiled: Any, function: int, grid: tuple[int, ...], values: list, slots: Sequence[int],
+                 device: int) -> None:
         n = len(grid)
         self.grid = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
         self.block, self.shared = 32 * compiled.metadata.num_warps, compiled.metadata.shared
