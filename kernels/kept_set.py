@@ -63,7 +63,7 @@ class KeptSetLaunch:
     split_rows: the split plan for at most this many rows (0: never); split: programs per row in the
     split plan (0: enough to give each SM `programs_per_sm` programs, at most `max_split`); driver: a bound
     call's launches (`bind_kept_set`) go through the CUDA driver itself where the kernels' parameters are
-    known (`launcher.DriverLaunch`; False: Triton's launcher).
+    known (`launcher.DriverLaunch`; off until it has run on a GPU: Triton's launcher).
     """
 
     block: int = 4096
@@ -77,7 +77,7 @@ class KeptSetLaunch:
     split_rows: int = 64
     split: int = 0
     max_split: int = 64
-    driver: bool = True
+    driver: bool = False
 
 
 @triton.jit

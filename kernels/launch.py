@@ -70,7 +70,7 @@ class LaunchConfig:
     does not apply to takes the Triton kernels, the same bits); cluster_threads, cluster_slice_bytes: its
     threads per block and the most bytes of a row one block holds; driver: a rollout plan's launches
     (`bind_row_stats`) go through the CUDA driver itself where the kernel's parameters are known
-    (`launcher.DriverLaunch`; False: Triton's launcher, which costs more host time per call).
+    (`launcher.DriverLaunch`, less host time per call; off until it has run on a GPU: Triton's launcher).
     """
 
     chunk: int = 4096
@@ -91,7 +91,7 @@ class LaunchConfig:
     cluster_rows: int = 0
     cluster_threads: int = 256
     cluster_slice_bytes: int = 98304
-    driver: bool = True
+    driver: bool = False
 
 
 @functools.lru_cache(maxsize=8)

@@ -68,6 +68,32 @@ def test_repeated_calls_take_the_plan_and_give_the_ordinary_bits(ordinary_calls,
     assert len(rollout_calls._plans) == 3
 
 
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_plans_through_the_driver_give_the_ordinary_bits(ordinary_calls, dtype, monkeypatch):
+    """With `LaunchConfig.driver` the plans launch Triton's compiled kernel through the CUDA driver
+    (`launcher.DriverLaunch`): the ordinary path's bits for every call, temperature and batch."""
+    from rl_logp.kernels import launcher
+
+    launches, through = [], launcher.DriverLaunch.__call__
+    monkeypatch.setattr(launcher.DriverLaunch, "__call__", lambda self, *a: launches.append(1) or through(self, *a))
+    engine = make_engine("fused", rl_logp.resolve_config(None).chunk_bytes)
+    saved = engine.config
+    engine.config = dataclasses.replace(saved, driver=True)
+    try:
+        for n in (1, 4, 64):
+            for seed in range(3):
+                x, ids = _inputs(n, 5000, dtype, "cuda", seed)
+                for temperature in (None, 0.7):
+                    for fn, args in CALLS.values():
+                        got = fn(*args(x, ids), backend="fused", temperature=temperature)
+                        want = _ordinary(fn, *args(x, ids), backend="fused", temperature=temperature)
+                        assert torch.equal(bits(got), bits(want)), (fn.__name__, n, temperature)
+    finally:
+        engine.config = saved
+    assert len(launches) == 3 * 2 * 3 * 2  # every call after a signature's first: batches, temperatures, calls
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_logprobs_to_differentiate_take_the_autograd_path(ordinary_calls, device):
     x, ids = _inputs(4, 3000, torch.float32, device, 0)

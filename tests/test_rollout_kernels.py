@@ -261,9 +261,15 @@ def _special_parameters(vocab: int, device: str, gen: torch.Generator) -> tuple[
     return k[4:], p[4:]
 
 
+# The bound calls' launch plans: fused and split, through Triton's launcher and (GPU) through the driver.
+LAUNCH_PLANS = [pytest.param({"block": 64, "split_rows": 0}, id="fused"),
+                pytest.param({"block": 64, "split": 3}, id="split-3"),
+                pytest.param({"block": 64, "split_rows": 0, "driver": True}, id="fused-driver", marks=needs_cuda),
+                pytest.param({"block": 64, "split": 3, "driver": True}, id="split-3-driver", marks=needs_cuda)]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("launch", [{"block": 64, "split_rows": 0}, {"block": 64, "split": 3}],
-                         ids=["fused", "split-3"])
+@pytest.mark.parametrize("launch", LAUNCH_PLANS)
 def test_bound_kept_set_gives_the_bits_of_kept_set(device, launch):
     """`bind_kept_set` (what `rollout_calls` keeps for a decode step's top-k / top-p): the call repeated on
     new logits and parameters gives `kept_set`'s mask and thresholds, in both launch plans and modes."""
@@ -365,8 +371,7 @@ def test_kept_set_draws_the_largest_kept_key(device, launch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("launch", [{"block": 64, "split_rows": 0}, {"block": 64, "split": 3}],
-                         ids=["fused", "split-3"])
+@pytest.mark.parametrize("launch", LAUNCH_PLANS)
 def test_bound_kept_set_draws_as_kept_set(device, launch):
     """`bind_kept_set` with a draw (the plan of the patched FlashInfer sampler's call) draws on new logits,
     parameters and noise what `kept_set` draws."""
