@@ -61,9 +61,7 @@ class KeptSetLaunch:
     per element, more gives narrower brackets); small, big: the two sizes of the sorted scratch row
     (powers of two; a bracket above big is bisected); pivots: keys tried per bisection pass;
     split_rows: the split plan for at most this many rows (0: never); split: programs per row in the
-    split plan (0: enough to give each SM `programs_per_sm` programs, at most `max_split`); driver: a bound
-    call's launches (`bind_kept_set`) go through the CUDA driver itself where the kernels' parameters are
-    known (`launcher.DriverLaunch`; off until it has run on a GPU: Triton's launcher).
+    split plan (0: enough to give each SM `programs_per_sm` programs, at most `max_split`).
     """
 
     block: int = 4096
@@ -77,7 +75,6 @@ class KeptSetLaunch:
     split_rows: int = 64
     split: int = 0
     max_split: int = 64
-    driver: bool = False
 
 
 @triton.jit
@@ -311,7 +308,8 @@ def kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | 
 
 def bind_kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, bits: int,
                   threshold: torch.Tensor | None, *, write: bool, draw: Draw | None = None,
-                  launch: KeptSetLaunch = KeptSetLaunch()) -> Callable[[Sequence[torch.Tensor]], bool] | None:
+                  launch: KeptSetLaunch = KeptSetLaunch(),
+                  direct: bool = False) -> Callable[[Sequence[torch.Tensor]], bool] | None:
     """`kept_set` of these arguments, after it ran, as a call for new tensors of the same shapes (a rollout's
     at every decode step): called with (z, top_k, top_p, threshold) or, drawing, (z, top_k, top_p, noise,
     tokens), the absent ones left out, it allocates the workspace and launches through `BoundLaunch`es,
@@ -329,7 +327,7 @@ def bind_kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tens
     with on_device(z):
         for launcher, grid, args in _launches(z, top_k, top_p, bits, threshold, workspace, write, draw, split, launch):
             one = launcher.bind(grid, args, options, [next(i for i, a in enumerate(args) if a is t) for t in given],
-                                direct=launch.driver)
+                                direct=direct)
             if one is None:
                 return None
             bound.append(one)

@@ -68,9 +68,10 @@ class LaunchConfig:
     of four columns per thread, `grad_sub`); cluster_rows: `row_stats` calls of at least this many rows
     take the cluster forward (`cluster_launch`: one HBM read per row) where it applies (0: never; a call it
     does not apply to takes the Triton kernels, the same bits); cluster_threads, cluster_slice_bytes: its
-    threads per block and the most bytes of a row one block holds; driver: a rollout plan's launches
-    (`bind_row_stats`) go through the CUDA driver itself where the kernel's parameters are known
-    (`launcher.DriverLaunch`, less host time per call; off until it has run on a GPU: Triton's launcher).
+    threads per block and the most bytes of a row one block holds; driver: the rollout plans' launches
+    (`bind_row_stats`, and the kept set's `bind_kept_set` through `rl_logp.sampling_mask`) go through the
+    CUDA driver itself where the kernel's parameters are known (`launcher.DriverLaunch`, less host time
+    per call; off until it has run on a GPU: Triton's launcher).
     """
 
     chunk: int = 4096

@@ -131,6 +131,7 @@ def _kernel(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | N
     whose signature was seen before (the shapes, strides, dtypes and devices of z, k, p and the noise, the
     bits, `write`) runs its plan (`rl_logp.rollout_calls`): the allocations and the launches without the
     set-up."""
+    from rl_logp.engines.fused import config_from_environment
     from rl_logp.kernels.kept_set import bind_kept_set, kept_set
 
     k = None if top_k is None else top_k.contiguous()
@@ -149,7 +150,9 @@ def _kernel(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | N
         draw = (noise, out)
     kept_set(z, k, p, bits, threshold, write=write, draw=draw)
     if key is not None:
-        rollout_calls.remember(key, None, bind_kept_set(z, k, p, bits, threshold, write=write, draw=draw), out)
+        bound = bind_kept_set(z, k, p, bits, threshold, write=write, draw=draw,
+                              direct=config_from_environment().driver)
+        rollout_calls.remember(key, None, bound, out)
     return out
 
 

@@ -261,7 +261,8 @@ def _special_parameters(vocab: int, device: str, gen: torch.Generator) -> tuple[
     return k[4:], p[4:]
 
 
-# The bound calls' launch plans: fused and split, through Triton's launcher and (GPU) through the driver.
+# The bound calls' launch plans: fused and split, through Triton's launcher and (GPU, "driver": `direct`)
+# through the driver.
 LAUNCH_PLANS = [pytest.param({"block": 64, "split_rows": 0}, id="fused"),
                 pytest.param({"block": 64, "split": 3}, id="split-3"),
                 pytest.param({"block": 64, "split_rows": 0, "driver": True}, id="fused-driver", marks=needs_cuda),
@@ -276,14 +277,15 @@ def test_bound_kept_set_gives_the_bits_of_kept_set(device, launch):
     from rl_logp.kernels.kept_set import KeptSetLaunch, bind_kept_set, kept_set
 
     gen = torch.Generator().manual_seed(11)
-    cfg = KeptSetLaunch(**launch)
+    direct = launch.get("driver", False)
+    cfg = KeptSetLaunch(**{key: value for key, value in launch.items() if key != "driver"})
     for write in (True, False):
         for which in ("k", "p", "kp"):
             first, (k, p) = rows("bf16-rounded", 6, 300, device, gen), _special_parameters(300, device, gen)
             k, p = (k if "k" in which else None), (p if "p" in which else None)
             threshold = torch.empty(6, device=device)
             kept_set(first, k, p, 40, threshold, write=write, launch=cfg)
-            bound = bind_kept_set(first, k, p, 40, threshold, write=write, launch=cfg)
+            bound = bind_kept_set(first, k, p, 40, threshold, write=write, launch=cfg, direct=direct)
             for kind in ("integers (many ties)", "continuous"):
                 z, (k2, p2) = rows(kind, 6, 300, device, gen), _special_parameters(300, device, gen)
                 k2, p2 = (k2 if k is not None else None), (p2 if p is not None else None)
@@ -378,12 +380,13 @@ def test_bound_kept_set_draws_as_kept_set(device, launch):
     from rl_logp.kernels.kept_set import KeptSetLaunch, bind_kept_set, kept_set
 
     gen = torch.Generator().manual_seed(14)
-    cfg = KeptSetLaunch(**launch)
+    direct = launch.get("driver", False)
+    cfg = KeptSetLaunch(**{key: value for key, value in launch.items() if key != "driver"})
     first, (k, p) = rows("continuous", 6, 300, device, gen), _special_parameters(300, device, gen)
     noise = torch.empty(6, 300).exponential_(generator=gen).to(device)
     tokens = torch.empty(6, dtype=torch.int64, device=device)
     kept_set(first, k, p, 40, None, write=False, draw=(noise, tokens), launch=cfg)
-    bound = bind_kept_set(first, k, p, 40, None, write=False, draw=(noise, tokens), launch=cfg)
+    bound = bind_kept_set(first, k, p, 40, None, write=False, draw=(noise, tokens), launch=cfg, direct=direct)
     for kind in ("integers (many ties)", "bf16-rounded"):
         z, (k2, p2) = rows(kind, 6, 300, device, gen), _special_parameters(300, device, gen)
         noise2 = torch.empty(6, 300).exponential_(generator=gen).to(device)
