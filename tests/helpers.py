@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import re
+import struct
 
 import pytest
 import torch
@@ -231,3 +233,42 @@ class FakeDriver:
             self.launched.append((handle, (gx, gy, gz), (bx, by, bz), shared, stream,
                                   [ctypes.string_at(p, n) for p, n in zip(params, self.param_sizes, strict=True)]))
         return 0
+
+
+_C_FORMATS = {"CUdeviceptr": "<Q", "int8_t": "<b", "int16_t": "<h", "int32_t": "<i", "int64_t": "<q",
+              "uint8_t": "<B", "uint16_t": "<H", "uint32_t": "<I", "uint64_t": "<Q"}
+
+
+def triton_launcher_bytes(compiled, args) -> list[bytes]:
+    """The bytes of each parameter Triton's own generated launcher passes `compiled` for `args`: its
+    `_launch` declares a C type per argument that is not a constexpr, and its `params` array holds those
+    and the global and profile scratch pointers (null: no scratch memory); floats travel as their fp32 or
+    fp64 bits (`pack_fp32`: the value rounded to fp32)."""
+    import numpy
+    from triton.backends.nvidia.driver import make_launcher
+
+    source = make_launcher(getattr(compiled.src, "constants", {}), dict(compiled.src.signature), None)
+    declared = re.search(r"static void _launch\((.*?)\)", source).group(1).split(", ")
+    c_types = dict(reversed(d.rsplit(" ", 1)) for d in declared)
+    order = re.search(r"void \*params\[\] = \{ (.*?) \};", source).group(1).split(", ")
+    assert order[-2:] == ["&global_scratch", "&profile_scratch"]
+    types = list(compiled.src.signature.values())
+    out = []
+    for name in order[:-2]:
+        i = int(name.removeprefix("&arg"))
+        value, c_type = args[i], c_types[name[1:]]
+        if types[i].startswith("*"):
+            out.append(struct.pack("<Q", value.data_ptr()))
+        elif types[i] in ("fp32", "f32"):
+            with numpy.errstate(over="ignore"):  # C's (float)f: to nearest, inf beyond the range
+                out.append(numpy.array(value, dtype="<f4").tobytes())
+        elif types[i] == "fp64":
+            out.append(struct.pack("<d", value))
+        else:
+            out.append(struct.pack(_C_FORMATS[c_type], value))
+    return [*out, bytes(8), bytes(8)]
+
+
+def value_bytes(values) -> list[bytes]:
+    """The bytes of each ctypes value."""
+    return [ctypes.string_at(ctypes.addressof(v), ctypes.sizeof(v)) for v in values]

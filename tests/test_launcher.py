@@ -2,23 +2,18 @@
 `kernel[grid](*args, **options)` launches: under the interpreter here, through its fast path on a GPU, and
 through its fast path on the CPU with Triton's driver and compiled kernel stood in for."""
 
-import ctypes
 import itertools
 import random
-import re
-import struct
 
-import numpy
 import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import FakeDriver
+from helpers import FakeDriver, triton_launcher_bytes, value_bytes
 from triton import knobs
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
-from triton.backends.nvidia.driver import make_launcher
 from triton.compiler import ASTSource, CompiledKernel
 from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
 
@@ -460,41 +455,6 @@ def _compiled_probe(args, options):
                           options=parsed.__dict__)
 
 
-_C_FORMATS = {"CUdeviceptr": "<Q", "int8_t": "<b", "int16_t": "<h", "int32_t": "<i", "int64_t": "<q",
-              "uint8_t": "<B", "uint16_t": "<H", "uint32_t": "<I", "uint64_t": "<Q"}
-
-
-def _triton_passes(compiled, args) -> list[bytes]:
-    """The bytes of each parameter Triton's own generated launcher passes `compiled` for `args`: its
-    `_launch` declares a C type per argument that is not a constexpr, and its `params` array holds those
-    and the global and profile scratch pointers (null: no scratch memory); floats travel as their fp32 or
-    fp64 bits (`pack_fp32`: the value rounded to fp32)."""
-    source = make_launcher(getattr(compiled.src, "constants", {}), dict(compiled.src.signature), None)
-    declared = re.search(r"static void _launch\((.*?)\)", source).group(1).split(", ")
-    c_types = dict(reversed(d.rsplit(" ", 1)) for d in declared)
-    order = re.search(r"void \*params\[\] = \{ (.*?) \};", source).group(1).split(", ")
-    assert order[-2:] == ["&global_scratch", "&profile_scratch"]
-    types = list(compiled.src.signature.values())
-    out = []
-    for name in order[:-2]:
-        i = int(name.removeprefix("&arg"))
-        value, c_type = args[i], c_types[name[1:]]
-        if types[i].startswith("*"):
-            out.append(struct.pack("<Q", value.data_ptr()))
-        elif types[i] in ("fp32", "f32"):
-            with numpy.errstate(over="ignore"):  # C's (float)f: to nearest, inf beyond the range
-                out.append(numpy.array(value, dtype="<f4").tobytes())
-        elif types[i] == "fp64":
-            out.append(struct.pack("<d", value))
-        else:
-            out.append(struct.pack(_C_FORMATS[c_type], value))
-    return [*out, bytes(8), bytes(8)]
-
-
-def _value_bytes(values) -> list[bytes]:
-    return [ctypes.string_at(ctypes.addressof(v), ctypes.sizeof(v)) for v in values]
-
-
 def test_driver_values_are_the_parameters_tritons_launcher_passes():
     """For kernels Triton compiled for sm_90 (on the CPU), `driver_values` packs exactly the bytes Triton's
     generated launcher passes: pointers, i32 / i64 / u64 integers, fp32 values rounded as Triton rounds them
@@ -512,7 +472,7 @@ def test_driver_values_are_the_parameters_tritons_launcher_passes():
         compiled = _compiled_probe(args, {"num_warps": 4})
         values = driver_values(compiled, args)
         assert values is not None, args
-        assert _value_bytes(values) == _triton_passes(compiled, args), args
+        assert value_bytes(values) == triton_launcher_bytes(compiled, args), args
 
 
 def test_driver_values_decline_what_they_cannot_pack():
@@ -564,7 +524,7 @@ def test_bound_launch_through_the_driver_passes_what_tritons_launcher_would(monk
     bound = launch.bind((3, 2), args, options, (0, 1), direct=True)
     assert bound.through is not None and len(triton_launches) == 1
     for new_x, new_y in [(torch.empty(32), torch.empty(64, dtype=torch.bfloat16)), (x, y)]:
-        expected = _triton_passes(compiled_kernels[0], (new_x, new_y, *args[2:]))
+        expected = triton_launcher_bytes(compiled_kernels[0], (new_x, new_y, *args[2:]))
         fake.param_sizes = [len(b) for b in expected]
         assert bound((new_x, new_y))
         assert fake.launched[-1] == (0x2000, (3, 2, 1), (128, 1, 1), compiled_kernels[0].metadata.shared, 777,
@@ -582,7 +542,7 @@ def test_bound_launch_through_the_driver_passes_what_tritons_launcher_would(monk
     launch((4,), shifted, {"num_warps": 2})
     bound = launch.bind((4,), shifted, {"num_warps": 2}, (1,), direct=True)
     new_y = torch.empty(64, dtype=torch.bfloat16)
-    expected = _triton_passes(compiled_kernels[-1], (None, new_y, *shifted[2:]))
+    expected = triton_launcher_bytes(compiled_kernels[-1], (None, new_y, *shifted[2:]))
     fake.param_sizes = [len(b) for b in expected]
     assert bound((new_y,)) and fake.launched[-1][1:3] == ((4, 1, 1), (64, 1, 1)) and fake.launched[-1][5] == expected
     cuda_source.primary_context.cache_clear()

@@ -39,3 +39,60 @@ def test_kernels_compile_for_sm90_without_spills():
         assert any(n.startswith(f"{plan} kp write") for n in names) and any(n.startswith(f"{plan} - draw") for n in names)
     assert {name: spill for name, (_, spill) in rows.items() if spill} == {}
     assert all(regs <= 255 for regs, _ in rows.values())
+
+
+DRIVER = """
+import sys
+sys.path[:0] = ["benchmarks", "tests"]
+import dataclasses
+import torch
+import kernel_resources as kr
+from helpers import triton_launcher_bytes, value_bytes
+from rl_logp.kernels import fixed_point, kept_set, launch, row_stats
+from rl_logp.kernels.launcher import driver_values
+
+cfg, n, vocab = launch.LaunchConfig(), 8, 151936
+cases = []
+for dtype, t in ((torch.bfloat16, None), (torch.bfloat16, 0.7), (torch.float32, 0.7)):
+    x = torch.empty(n, vocab, dtype=dtype)
+    mode = fixed_point.TEMP_NONE.value if t is None else fixed_point.TEMP_SCALAR.value
+    for name, labels, out_logp, out_full in (
+            ("logprobs", torch.zeros(n, dtype=torch.int64), torch.empty(n), None),
+            ("column_logprobs", torch.zeros(n, 21, dtype=torch.int64), torch.empty(n, 21), None),
+            ("full_logprobs", None, None, torch.empty(n, vocab))):
+        _, args, options = launch.forward_launch(
+            x, labels, mode, None, 1.0 if t is None else t, None, (None, None, None, out_logp, None), (None, None), 40,
+            False, row_stats.MAX_SCAN.value, row_stats.RESULT_ROW.value, cfg, out_full)
+        cases.append((f"{name} {dtype} T={t}", row_stats.row_stats_kernel, args, options))
+kcfg = kept_set.KeptSetLaunch()
+options = launch.launch_options(kcfg.warps, False, kcfg.max_registers)
+for rows in (1, 512):
+    z = torch.empty(rows, vocab)
+    split = kept_set.split_count(z, dataclasses.replace(kcfg, split=32) if rows == 1 else kcfg)
+    workspace = torch.empty(kept_set._workspace_shape(z, split, kcfg), dtype=torch.int32)
+    k, p = torch.empty(rows, dtype=torch.int64), torch.empty(rows)
+    for mode, draw in (("write", None), ("draw", (torch.empty(rows, vocab), torch.empty(rows, dtype=torch.int64)))):
+        threshold = None if draw else torch.empty(rows)
+        launches = kept_set._launches(z, k, p, 40, threshold, workspace, mode == "write", draw, split, kcfg)
+        for phase, (launcher, _, args) in enumerate(launches):
+            cases.append((f"kept set {rows} rows {mode} #{phase + 1}", launcher.kernel, args, options))
+for name, fn, args, options in cases:
+    compiled = kr.compile_launch(fn, args, options)
+    values = driver_values(compiled, args)
+    same = values is not None and value_bytes(values) == triton_launcher_bytes(compiled, args)
+    print(f"{name}|{int(values is not None)}|{int(same)}")
+"""
+
+
+def test_rollout_launches_pack_for_the_driver_as_tritons_launcher():
+    """Every launch a rollout plan binds (the forward of `logprobs`, `column_logprobs`, `full_logprobs`
+    at T = 1 and 0.7; the kept set's fused and split launches, masking and drawing), compiled for sm_90:
+    `driver_values` packs it (the driver launch would engage, not decline) with the bytes Triton's own
+    generated launcher passes."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", DRIVER], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = [line.split("|") for line in run.stdout.splitlines()]
+    assert len(rows) == 9 + 6 + 2  # 9 forwards; the kept set's split plan 3 + 3 launches, its fused plan 1 + 1
+    assert [name for name, packed, same in rows if packed != "1" or same != "1"] == []
