@@ -164,15 +164,19 @@ class Function:
     def launch(self, grid: int, block: int, shared: int, stream: int, args: Sequence[ctypes._SimpleCData]) -> None:
         """One launch of `grid` blocks of `block` threads on `stream` (a CUDA stream handle of the function's
         context) with `args`, each a ctypes value of the kernel's parameter type."""
-        launch_kernel(self.handle, self.context, (grid, 1, 1), block, shared, stream, args)
+        launch_kernel(self.handle, self.context, (grid, 1, 1), block, shared, stream, parameters(args))
+
+
+def parameters(args: Sequence[ctypes._SimpleCData]) -> ctypes.Array:
+    """The kernel-parameter array of a launch: the address of each ctypes value (which must outlive it)."""
+    return (ctypes.c_void_p * len(args))(*map(ctypes.addressof, args))
 
 
 def launch_kernel(function: int | ctypes.c_void_p, context: int, grid: tuple[int, int, int], block: int, shared: int,
-                  stream: int, args: Sequence[ctypes._SimpleCData]) -> None:
-    """One launch of a loaded kernel (`function`, a CUfunction of `context`) on `stream` with `args`, each a
-    ctypes value of the kernel's parameter type; `context` is made current for it where it is not."""
+                  stream: int, params: ctypes.Array) -> None:
+    """One launch of a loaded kernel (`function`, a CUfunction of `context`) on `stream` with `params` (see
+    `parameters`); `context` is made current for it where it is not."""
     cuda = _driver()
-    params = (ctypes.c_void_p * len(args))(*map(ctypes.addressof, args))
     now = ctypes.c_void_p()
     cuda.cuCtxGetCurrent(ctypes.byref(now))
     if now.value == context:

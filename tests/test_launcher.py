@@ -4,6 +4,8 @@ through its fast path on the CPU with Triton's driver and compiled kernel stood 
 
 import itertools
 import random
+import sys
+import threading
 
 import pytest
 import torch
@@ -545,4 +547,51 @@ def test_bound_launch_through_the_driver_passes_what_tritons_launcher_would(monk
     expected = triton_launcher_bytes(compiled_kernels[-1], (None, new_y, *shifted[2:]))
     fake.param_sizes = [len(b) for b in expected]
     assert bound((new_y,)) and fake.launched[-1][1:3] == ((4, 1, 1), (64, 1, 1)) and fake.launched[-1][5] == expected
+    cuda_source.primary_context.cache_clear()
+
+
+def test_bound_launch_through_the_driver_on_several_threads(monkeypatch):
+    """Threads sharing one bound launch each launch their own tensors' pointers (each thread's parameter
+    array is its own), switching threads as often as the interpreter can."""
+    monkeypatch.setattr(launcher_module, "INTERPRET", False)
+    monkeypatch.setattr(launcher_module, "driver", _Driver)
+    fake = FakeDriver(current=FakeDriver.PRIMARY)
+    monkeypatch.setattr(cuda_source, "_driver", lambda: fake)
+    cuda_source.primary_context.cache_clear()
+    kernel = JITFunction(_probe, do_not_specialize=["m"])
+
+    def run(*args, grid, warmup, **options):
+        compiled = _compiled_probe(args, options)
+        compiled.module, compiled.function, compiled._run = object(), 0x2000, lambda *a: None
+        return compiled
+
+    kernel.run = run
+    launch = CachedLauncher(kernel)
+    args, options = (torch.empty(64), torch.empty(64, dtype=torch.bfloat16), 17, 16, 5, 0.5, True, 32, 1), {"num_warps": 4}
+    launch((3,), args, options)
+    bound = launch.bind((3,), args, options, (0, 1), direct=True)
+    fake.param_sizes = [len(b) for b in triton_launcher_bytes(launch.cache[next(iter(launch.cache))][0], args)]
+    tensors = [(torch.empty(64), torch.empty(64, dtype=torch.bfloat16)) for _ in range(4)]
+    wrong = []
+
+    def worker(x, y):
+        want = [x.data_ptr().to_bytes(8, "little"), y.data_ptr().to_bytes(8, "little")]
+        for _ in range(300):
+            before = len(fake.launched)
+            bound((x, y))
+            mine = [entry for entry in fake.launched[before:] if entry[5][:2] == want]
+            wrong.extend([] if mine else [(x.data_ptr(), before)])
+
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=worker, args=pair) for pair in tensors]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(0.005)
+    launched = {bytes(b"".join(entry[5][:2])) for entry in fake.launched}
+    assert len(fake.launched) == 4 * 300 and not wrong
+    assert launched == {x.data_ptr().to_bytes(8, "little") + y.data_ptr().to_bytes(8, "little") for x, y in tensors}
     cuda_source.primary_context.cache_clear()
