@@ -92,14 +92,14 @@ def _pointer(t: torch.Tensor | None) -> ctypes.c_void_p:
 
 class ClusterLaunch:
     """A launch of the cluster forward for one call's signature (shapes, strides, dtype, device, settings,
-    the outputs asked for): the variant, grid and scalar arguments worked out once. `run(args)` launches it
-    (`self.args`: over the tensors it was built with); as a plan's bound launch (`launch.bind_row_stats`),
-    `bound(tensors)` launches it over new tensors of the same signature, (x, labels, out_logp) or (x,
-    out_full), and returns True, or returns False launching nothing where x or out_full is not 16-byte
+    the outputs asked for): the variant, grid and scalar arguments worked out once. `run(params)` launches it
+    (`cuda_source.parameters(self.args)`: over the tensors it was built with); called as a plan's bound launch
+    (`launch.bind_row_stats`), `self(tensors)` launches it over new tensors of the same signature, (x, labels,
+    out_logp) or (x, out_full), each thread from parameters of its own (`self.parameters`), and returns True, or returns False launching nothing where x or out_full is not 16-byte
     aligned (the bulk copies and vector stores need it) or another device is current. The caller makes x's
     device current."""
 
-    __slots__ = ("args", "device", "function", "grid", "shared", "slots", "threads")
+    __slots__ = ("args", "device", "function", "grid", "parameters", "shared", "threads")
 
     def __init__(self, x: torch.Tensor, labels: torch.Tensor | None, t_scalar: float | None, entropy: bool,
                  outs: tuple[torch.Tensor | None, ...], out_full: torch.Tensor | None, threads: int,
@@ -118,20 +118,19 @@ class ClusterLaunch:
                      ctypes.c_int64(0 if out_full is None else out_full.stride(0)), ctypes.c_int32(vocab),
                      ctypes.c_int32(width)]
         # The places of a bound call's tensors: x, then labels if given, then its one output.
-        self.slots = (0, *((2,) if labels is not None else ()), 10 if out_full is not None else 8)
+        self.parameters = cuda_source.BoundParameters(
+            self.args, (0, *((2,) if labels is not None else ()), 10 if out_full is not None else 8))
 
-    def run(self, args: list) -> None:
+    def run(self, params: ctypes.Array) -> None:
+        """One launch with `params` (`cuda_source.parameters(self.args)`, or a bound call's)."""
         # The current stream's handle, as Triton's launches read it (no Stream object built per call).
         self.function.launch(self.grid, self.threads, self.shared, torch._C._cuda_getCurrentRawStream(self.device),
-                             args)
+                             params)
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> bool:
         if tensors[0].data_ptr() & 15 or tensors[-1].data_ptr() & 15 or torch.cuda.current_device() != self.device:
             return False
-        args = self.args.copy()  # a call's own pointers: plans may run on several threads
-        for slot, t in zip(self.slots, tensors, strict=True):
-            args[slot] = _pointer(t)
-        self.run(args)
+        self.run(self.parameters.array([t.data_ptr() for t in tensors]))
         return True
 
 
@@ -142,4 +141,4 @@ def row_stats_cluster(x: torch.Tensor, labels: torch.Tensor | None, t_scalar: fl
     `outs` (M, L, lse, logp, entropy: fp32 [n], logp [n, K] for labels [n, K]) and `out_full` written;
     `t_scalar` None: no temperature; `threads` per block. The caller makes x's device current."""
     call = ClusterLaunch(x, labels, t_scalar, entropy, outs, out_full, threads, slice_bytes)
-    call.run(call.args)
+    call.run(cuda_source.parameters(call.args))

@@ -17,6 +17,7 @@ import ctypes
 import functools
 import glob
 import os
+import threading
 from collections.abc import Iterator, Sequence
 
 _NVRTC_NAMES = ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so")
@@ -161,15 +162,39 @@ class Function:
             if hasattr(cuda, "cuFuncLoad"):  # drivers of CUDA 12.4 on: load now what lazy loading would defer
                 _check(cuda.cuFuncLoad(self.handle), "function load")
 
-    def launch(self, grid: int, block: int, shared: int, stream: int, args: Sequence[ctypes._SimpleCData]) -> None:
+    def launch(self, grid: int, block: int, shared: int, stream: int, params: ctypes.Array) -> None:
         """One launch of `grid` blocks of `block` threads on `stream` (a CUDA stream handle of the function's
-        context) with `args`, each a ctypes value of the kernel's parameter type."""
-        launch_kernel(self.handle, self.context, (grid, 1, 1), block, shared, stream, parameters(args))
+        context) with `params` (see `parameters`)."""
+        launch_kernel(self.handle, self.context, (grid, 1, 1), block, shared, stream, params)
 
 
 def parameters(args: Sequence[ctypes._SimpleCData]) -> ctypes.Array:
-    """The kernel-parameter array of a launch: the address of each ctypes value (which must outlive it)."""
+    """The kernel-parameter array of a launch: the address of each ctypes value of the kernel's parameter
+    type (the values must outlive the array)."""
     return (ctypes.c_void_p * len(args))(*map(ctypes.addressof, args))
+
+
+class BoundParameters:
+    """A launch's parameter values of which the pointers at `slots` change at every call (a repeated
+    launch's new tensors): `array(pointers)` gives this thread's parameter array holding them. Each thread
+    has an array of its own, built at its first call, so threads launching at once never share one."""
+
+    __slots__ = ("local", "slots", "values")
+
+    def __init__(self, values: Sequence[ctypes._SimpleCData], slots: Sequence[int]) -> None:
+        self.values, self.slots, self.local = list(values), tuple(slots), threading.local()
+
+    def array(self, pointers: Sequence[int]) -> ctypes.Array:
+        own = getattr(self.local, "own", None)
+        if own is None:
+            held = [ctypes.c_uint64() for _ in self.slots]
+            values = list(self.values)
+            for at, value in zip(self.slots, held, strict=True):
+                values[at] = value
+            own = self.local.own = held, parameters(values), values  # the values outlive the array
+        for value, pointer in zip(own[0], pointers, strict=True):
+            value.value = pointer
+        return own[1]
 
 
 def launch_kernel(function: int | ctypes.c_void_p, context: int, grid: tuple[int, int, int], block: int, shared: int,

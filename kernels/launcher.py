@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import ctypes
 import re
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -273,36 +272,22 @@ def driver_values(compiled: Any, args: Sequence[Any]) -> list | None:
 
 class DriverLaunch:
     """A compiled Triton kernel's launch through the CUDA driver (`cuda_source.launch_kernel`) with the
-    parameters `driver_values` packed, the tensors of `slots` replaced at each call: the grid, block
-    (32 threads a warp), dynamic shared memory and parameters Triton's launcher would pass. Each thread
-    launches from a parameter array of its own (built at its first call), of which a call sets only the
-    slots' pointers."""
+    parameters `driver_values` packed, the tensors of `slots` replaced at each call
+    (`cuda_source.BoundParameters`): the grid, block (32 threads a warp), dynamic shared memory and
+    parameters Triton's launcher would pass."""
 
-    __slots__ = ("block", "context", "function", "grid", "local", "shared", "slot_at", "values")
+    __slots__ = ("block", "context", "function", "grid", "parameters", "shared")
 
     def __init__(self, compiled: Any, function: int, grid: tuple[int, ...], values: list, slots: Sequence[int],
                  device: int) -> None:
         n = len(grid)
         self.grid = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
         self.block, self.shared = 32 * compiled.metadata.num_warps, compiled.metadata.shared
-        self.function, self.values, self.context = function, values, cuda_source.primary_context(device)
+        self.function, self.context = function, cuda_source.primary_context(device)
         passed = [i for i, ty in enumerate(compiled.src.signature.values()) if ty != "constexpr"]
-        self.slot_at = tuple(passed.index(s) for s in slots)  # each slot's place among the parameters
-        self.local = threading.local()
-
-    def _own(self) -> tuple[list[ctypes.c_uint64], ctypes.Array]:
-        """This thread's slot values and the parameter array that points at them (and at the packed rest)."""
-        slots = [ctypes.c_uint64() for _ in self.slot_at]
-        values = list(self.values)
-        for at, value in zip(self.slot_at, slots, strict=True):
-            values[at] = value
-        self.local.own = slots, cuda_source.parameters(values), values  # the values outlive the array
-        return self.local.own[:2]
+        self.parameters = cuda_source.BoundParameters(values, [passed.index(s) for s in slots])
 
     def __call__(self, stream: int, tensors: Sequence[torch.Tensor]) -> None:
-        own = getattr(self.local, "own", None)
-        slots, params = own[:2] if own is not None else self._own()
-        for value, t in zip(slots, tensors, strict=True):
-            value.value = t.data_ptr()
+        params = self.parameters.array([t.data_ptr() for t in tensors])
         if self.grid[0] and self.grid[1] and self.grid[2]:  # Triton's launcher launches no empty grid
             cuda_source.launch_kernel(self.function, self.context, self.grid, self.block, self.shared, stream, params)

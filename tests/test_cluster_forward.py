@@ -94,7 +94,7 @@ def test_a_kernel_loads_and_launches_in_the_devices_primary_context(driver, curr
     primary = FakeDriver.PRIMARY + 1
     assert fake.events == [("load", primary), ("shared", 98304), ("function load", primary)]
     assert (fake.current, fake.mode, fake.stack) == (current, 0, [])
-    function.launch(12, 256, 4096, 0x5, [ctypes.c_int32(3)])
+    function.launch(12, 256, 4096, 0x5, cuda_source.parameters([ctypes.c_int32(3)]))
     assert fake.events[-1] == ("launch", primary, 12, 256, 4096, 0x5)
     assert (fake.current, fake.mode, fake.stack) == (current, 0, [])
 
@@ -328,7 +328,8 @@ def test_rollout_plans_take_the_cluster_forward_with_the_triton_bits(monkeypatch
     engine = make_engine("fused", rl_logp.resolve_config(None).chunk_bytes)
     launches = []
     run = cluster_launch.ClusterLaunch.run
-    monkeypatch.setattr(cluster_launch.ClusterLaunch, "run", lambda self, args: launches.append(1) or run(self, args))
+    monkeypatch.setattr(cluster_launch.ClusterLaunch, "run",
+                        lambda self, params: launches.append(1) or run(self, params))
     saved = engine.config
     calls = {
         "logprobs": lambda x, ids, t: rl_logp.logprobs(x, ids[:, 0].contiguous(), backend="fused", temperature=t),
