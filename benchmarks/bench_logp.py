@@ -455,8 +455,10 @@ def stubbed_forward_launch():
 def run_overhead(args, device, report: Report) -> None:
     """Host time per call, the loop not waiting for the GPU: the pieces of a rollout-size `rl_logp.logprobs`
     (8 rows, T=0.7), and that call and the two vLLM's adapter makes at every decode step (`full_logprobs`,
-    `column_logprobs` of 21 ids) with their plans and on the ordinary path, beside torch's expressions. On
-    the CPU (the fused kernels under the interpreter) the rollout calls run with the launch stubbed out."""
+    `column_logprobs` of 21 ids) with their plans and on the ordinary path, beside torch's expressions; on
+    a GPU also the plans' launch alone (a BoundLaunch through Triton's launcher and through the CUDA driver)
+    and the three calls with plans bound through the driver (`LaunchConfig.driver`). On the CPU (the fused
+    kernels under the interpreter) the rollout calls run with the launch stubbed out."""
     from rl_logp import rollout_calls
     from rl_logp.engines import make_engine
     from rl_logp.engines.fused import _temperature_args
@@ -504,7 +506,29 @@ def run_overhead(args, device, report: Report) -> None:
         "torch log_softmax (V1 compute_logprobs)": (lambda: x.log_softmax(-1, dtype=torch.float32), None),
         "torch log_softmax + gather of 21 ids": (lambda: x.log_softmax(-1, dtype=torch.float32).gather(1, ids), None),
     }
-    if device.type != "cuda":
+    if device.type == "cuda":  # the plans' launch: a BoundLaunch through Triton's launcher or the driver
+        launch.row_stats_launch(grid, kernel_args, options)
+        slots = [next(i for i, a in enumerate(kernel_args) if a is t) for t in (x, labels, out)]
+        for how, direct in (("Triton's launcher", False), ("the CUDA driver", True)):
+            bound = launch.row_stats_launch.bind(grid, kernel_args, options, slots, direct=direct)
+            pieces[f"the kernel's launch alone (BoundLaunch, {how})"] = (functools.partial(bound, (x, labels, out)), None)
+
+        @contextlib.contextmanager
+        def driver_plans():
+            """Plans bound with `LaunchConfig.driver` (every engine's launch parameters, for the block)."""
+            saved = engine.config
+            engine.config = dataclasses.replace(saved, driver=True)
+            rollout_calls.clear()
+            try:
+                yield
+            finally:
+                engine.config = saved
+                rollout_calls.clear()
+
+        for name, fn in (("rl_logp.logprobs (no grad, T=0.7)", logp), ("rl_logp.full_logprobs", full),
+                         ("rl_logp.column_logprobs of 21 ids", columns)):
+            pieces[f"{name}, plan through the CUDA driver"] = (fn, driver_plans)
+    else:
         for name in [name for name in pieces if "launch" in name and "row_stats (output" not in name and
                      "stubbed" not in name]:
             del pieces[name]
