@@ -132,14 +132,15 @@ EMULATION = pathlib.Path(__file__).with_name("emulation")
 _emulators: dict[tuple, pathlib.Path] = {}
 
 
-def _emulator(directory, element, cluster, entropy, temperature, threads) -> pathlib.Path:
+def _emulator(directory, element, cluster, entropy, temperature, threads, sanitize) -> pathlib.Path:
     """The kernel's source compiled for the CPU with `emulation/cluster_emulation.h` (every thread of a
-    cluster a CPU thread), once per variant."""
-    key = (element, cluster, entropy, temperature, threads)
+    cluster a CPU thread), once per variant; with `sanitize`, under ThreadSanitizer."""
+    key = (element, cluster, entropy, temperature, threads, sanitize)
     if key not in _emulators:
         binary = directory / ("emulator_" + "_".join(map(str, map(int, key))))
         macros = cluster_launch.variant_options(element, cluster, entropy, temperature, threads, 98304)[1:]
-        subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-frounding-math", "-ffp-contract=off",
+        tsan = ["-g", "-fsanitize=thread"] if sanitize else []
+        subprocess.run(["g++", "-std=c++20", "-O1", *tsan, "-pthread", "-frounding-math", "-ffp-contract=off",
                         "-DCLUSTER_HOST_EMULATION", f'-DKERNEL_SOURCE="{cluster_launch.SOURCE}"', *macros,
                         f"-I{EMULATION}", str(EMULATION / "cluster_emulation_main.cpp"), "-o", str(binary)],
                        check=True, capture_output=True, text=True)
@@ -147,22 +148,24 @@ def _emulator(directory, element, cluster, entropy, temperature, threads) -> pat
     return _emulators[key]
 
 
-def _emulate(directory, x, labels, temperature, entropy, full, slice_bytes, threads):
+def _emulate(directory, x, labels, temperature, entropy, full, slice_bytes, threads, sanitize=False):
     """The cluster kernel's outputs for a launch as `ClusterLaunch` makes it (M, L, lse, the labels' logp,
-    entropy, every column's logprob), run on the CPU."""
+    entropy, every column's logprob), run on the CPU (with `sanitize`, under ThreadSanitizer: a data race
+    fails the run)."""
     n, vocab = x.shape
     cluster, width = cluster_launch.cluster_width(vocab, x.element_size(), slice_bytes)
     binary = _emulator(directory, cluster_launch.ELEMENT_CODES[x.dtype], cluster, entropy, temperature is not None,
-                       threads)
+                       threads, sanitize)
     run_dir = pathlib.Path(tempfile.mkdtemp(dir=directory))
     x.contiguous().view(torch.uint8).numpy().tofile(run_dir / "x.bin")
     picks = 1 if labels is None or labels.dim() == 1 else labels.shape[1]
     if labels is not None:
         labels.contiguous().numpy().tofile(run_dir / "labels.bin")
     t_bits = struct.unpack("<I", struct.pack("<f", 1.0 if temperature is None else temperature))[0]
-    subprocess.run([str(binary), str(run_dir), str(n), str(vocab), str(vocab * x.element_size()), str(picks),
-                    str(t_bits), str(vocab), str(width), str(int(labels is not None)), str(int(full))],
-                   check=True, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([str(binary), str(run_dir), str(n), str(vocab), str(vocab * x.element_size()), str(picks),
+                          str(t_bits), str(vocab), str(width), str(int(labels is not None)), str(int(full))],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-6000:]
 
     def read(name, *shape):
         return torch.from_numpy(numpy.fromfile(run_dir / f"{name}.bin", dtype=numpy.float32).reshape(shape))
@@ -192,16 +195,9 @@ EMULATED = [(dtype, temperature, entropy, threads, cluster)
 EMULATED += [(torch.bfloat16, True, True, 256, None), (torch.float32, False, False, 512, None)]
 
 
-@pytest.mark.parametrize(("dtype", "temperature", "entropy", "threads", "cluster"), EMULATED,
-                         ids=lambda v: str(v).replace("torch.", ""))
-def test_cluster_kernel_run_on_the_cpu_gives_the_contracts_bits(tmp_path_factory, dtype, temperature, entropy,
-                                                                 threads, cluster):
-    """The kernel's own source, built for the CPU with its threads as CPU threads (the barriers, shuffles
-    and pushes into a peer's shared memory emulated; `expf` the contract's CPU exponential), against the
-    contract's CPU path (the chunked engine), bit for bit in every output: rows with M = 0, all -inf,
-    mostly -inf, NaN, +inf and huge magnitudes, labels outside the vocabulary, one label per row and five
-    with every column, temperatures inside and outside the reciprocal's range, vocabularies that leave
-    blocks of the cluster without columns, and the launch's own slices at a model's vocabulary."""
+def _check_emulated(tmp_path_factory, dtype, temperatures, entropy, threads, cluster, sanitize=False):
+    """The emulated kernel against the chunked engine on the CPU, every output bit for bit (see the test
+    below), for each temperature of `temperatures`."""
     from rl_logp.engines import make_engine
 
     directory = tmp_path_factory.getbasetemp() / "cluster_emulation"
@@ -224,16 +220,44 @@ def test_cluster_kernel_run_on_the_cpu_gives_the_contracts_bits(tmp_path_factory
             _edge_rows(x, labels)
         picks = torch.cat([labels[:, None], random_labels(n * 4, vocab, "cpu", seed=2).view(n, 4)], dim=1)
         picks[:, 1] = -100
-        for t in (0.7, 1.3, 2.0**-11, 0.1) if temperature else (None,):
+        for t in temperatures:
             for ids, full in ((labels, False), (picks, True)):
                 req = engine_request(x, ids, t, engine="chunked", entropy=True)
                 req.normalizer, req.full = True, full
                 s = engine.row_stats(req)
                 want = [s.row_max, s.log_sum, s.lse, s.logp, s.entropy, s.full]
-                got = _emulate(directory, x, ids, t, entropy, full, slice_bytes, threads)
+                got = _emulate(directory, x, ids, t, entropy, full, slice_bytes, threads, sanitize)
                 for name, a, b in zip(("M", "L", "lse", "logp", "entropy", "full"), got, want, strict=True):
                     if a is not None:
                         assert _same(a, b), (name, vocab, t, full, int((bits(a) != bits(b)).sum()))
+
+
+@pytest.mark.parametrize(("dtype", "temperature", "entropy", "threads", "cluster"), EMULATED,
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_cluster_kernel_run_on_the_cpu_gives_the_contracts_bits(tmp_path_factory, dtype, temperature, entropy,
+                                                                 threads, cluster):
+    """The kernel's own source, built for the CPU with its threads as CPU threads (the barriers, shuffles
+    and pushes into a peer's shared memory emulated; `expf` the contract's CPU exponential), against the
+    contract's CPU path (the chunked engine), bit for bit in every output: rows with M = 0, all -inf,
+    mostly -inf, NaN, +inf and huge magnitudes, labels outside the vocabulary, one label per row and five
+    with every column, temperatures inside and outside the reciprocal's range, vocabularies that leave
+    blocks of the cluster without columns, and the launch's own slices at a model's vocabulary."""
+    _check_emulated(tmp_path_factory, dtype, (0.7, 1.3, 2.0**-11, 0.1) if temperature else (None,), entropy, threads,
+                    cluster)
+
+
+@pytest.mark.parametrize(("dtype", "temperature", "entropy", "threads", "cluster"),
+                         [(torch.bfloat16, True, True, 64, 4), (torch.float16, True, False, 32, 2),
+                          (torch.float32, False, True, 64, 8)], ids=lambda v: str(v).replace("torch.", ""))
+def test_cluster_kernel_synchronisation_has_no_data_race(tmp_path_factory, dtype, temperature, entropy, threads,
+                                                         cluster):
+    """The emulated kernel under ThreadSanitizer: every read of shared memory, its own block's or (through
+    the pushes) its peers', is ordered after the write it reads by a barrier of its block or of the
+    cluster, and no write overtakes a read it must follow (the emulation's barriers give exactly the
+    ordering the kernel's `__syncthreads` and cluster barriers give; a barrier taken out of the kernel is
+    reported as a race). The same outputs as without it."""
+    _check_emulated(tmp_path_factory, dtype, (0.7,) if temperature else (None,), entropy, threads, cluster,
+                    sanitize=True)
 
 
 @needs_hopper

@@ -9,7 +9,9 @@
 // contract's on a GPU. Shared memory is a per-block arena; a peer's is reached through the offset of the
 // local slot, as `mapa` maps it. Misuse the hardware would not forgive aborts with a message: a cluster
 // barrier waited on without an arrival, a push outside the shared state or to a rank outside the cluster,
-// a wait on a copy that was never started.
+// a wait on a copy that was never started. Every ordering between threads comes from std::barrier (and
+// the shuffles' own barriers), so a build with -fsanitize=thread reports a read of shared memory that no
+// barrier of the kernel orders after its write.
 #pragma once
 
 #include <barrier>
