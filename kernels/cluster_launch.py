@@ -7,9 +7,9 @@ CUDA graph. Same bits as `row_stats_kernel` (the kernel's header says why).
 
 `applies` says whether a `launch.row_stats` call can take it: whole rows on one device (M, L, lse, the logp
 of each of a row's int64 labels, entropy, every column's logprob), no per-row temperature, F = 40, on a
-GPU of compute capability 9.0 or more, with rows the bulk copies can take (16-byte aligned, a multiple of
-16 bytes long), a full-vocabulary output the vector stores can take (16-byte aligned rows) and a
-vocabulary that 8 blocks' shared memory holds.
+GPU of compute capability 9.0 or more whose blocks can take a slice (`device_fits`), with rows the bulk
+copies can take (16-byte aligned, a multiple of 16 bytes long), a full-vocabulary output the vector
+stores can take (16-byte aligned rows) and a vocabulary that 8 blocks' shared memory holds.
 """
 
 from __future__ import annotations
@@ -53,6 +53,16 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+@functools.lru_cache(maxsize=64)
+def device_fits(device_index: int, slice_bytes: int) -> bool:
+    """Whether the GPU runs thread block clusters (compute capability 9.0 or more) and lets a block take a
+    slice of `slice_bytes` and its own shared memory beside it (not every GPU with clusters has an H100's
+    227 KB a block)."""
+    properties = torch.cuda.get_device_properties(device_index)
+    return (properties.major, properties.minor) >= (9, 0) and \
+        slice_bytes + BLOCK_OVERHEAD <= properties.shared_memory_per_block_optin
+
+
 def applies(x: torch.Tensor, labels: torch.Tensor | None, per_row_temperature: bool, bits: int,
             out_full: torch.Tensor | None, slice_bytes: int) -> bool:
     """Whether `row_stats_cluster` can compute this call (see the module docstring)."""
@@ -66,7 +76,7 @@ def applies(x: torch.Tensor, labels: torch.Tensor | None, per_row_temperature: b
     n, vocab = x.shape
     if not (n and vocab) or x.stride(1) != 1 or x.data_ptr() % 16 or (x.stride(0) * size) % 16 or (vocab * size) % 16:
         return False
-    return _capability(x.device.index)[0] >= 9 and cluster_width(vocab, size, slice_bytes) is not None
+    return device_fits(x.device.index, slice_bytes) and cluster_width(vocab, size, slice_bytes) is not None
 
 
 def variant_options(element: int, cluster: int, entropy: bool, temperature: bool, threads: int,

@@ -376,3 +376,20 @@ def test_rollout_plans_take_the_cluster_forward_with_the_triton_bits(monkeypatch
             assert len(launches) == len(steps) and len(rollout_calls._plans) == 1, name
             assert all(mismatches(a, b) == 0 for a, b in zip(got, want, strict=True)), (name, temperature)
     rollout_calls.clear()
+
+
+def test_gpus_whose_blocks_cannot_hold_a_slice_keep_the_triton_kernel(monkeypatch):
+    """`device_fits`: clusters (compute capability 9.0 or more) and a block's shared memory for the slice and
+    its own beside it, as the device reports it (an H100/H200's 227 KB; 99 KB on a GPU such as sm_120's)."""
+    import types
+
+    devices = {0: (9, 0, 232448), 1: (8, 0, 166912), 2: (12, 0, 101376), 3: (10, 0, 232448)}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(
+        major=devices[index][0], minor=devices[index][1], shared_memory_per_block_optin=devices[index][2]))
+    cluster_launch.device_fits.cache_clear()
+    try:
+        slice_bytes = LaunchConfig().cluster_slice_bytes
+        assert [cluster_launch.device_fits(i, slice_bytes) for i in devices] == [True, False, False, True]
+        assert cluster_launch.device_fits(2, 49152) and not cluster_launch.device_fits(2, 101376)
+    finally:
+        cluster_launch.device_fits.cache_clear()
