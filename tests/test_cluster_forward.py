@@ -132,15 +132,19 @@ EMULATION = pathlib.Path(__file__).with_name("emulation")
 _emulators: dict[tuple, pathlib.Path] = {}
 
 
+SANITIZERS = {None: [], "thread": ["-g", "-fsanitize=thread"],
+              "address": ["-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]}
+
+
 def _emulator(directory, element, cluster, entropy, temperature, threads, sanitize) -> pathlib.Path:
     """The kernel's source compiled for the CPU with `emulation/cluster_emulation.h` (every thread of a
-    cluster a CPU thread), once per variant; with `sanitize`, under ThreadSanitizer."""
+    cluster a CPU thread), once per variant; `sanitize`: None, "thread" (ThreadSanitizer) or "address"
+    (AddressSanitizer and UndefinedBehaviorSanitizer)."""
     key = (element, cluster, entropy, temperature, threads, sanitize)
     if key not in _emulators:
-        binary = directory / ("emulator_" + "_".join(map(str, map(int, key))))
+        binary = directory / ("emulator_" + "_".join(str(k) for k in key))
         macros = cluster_launch.variant_options(element, cluster, entropy, temperature, threads, 98304)[1:]
-        tsan = ["-g", "-fsanitize=thread"] if sanitize else []
-        subprocess.run(["g++", "-std=c++20", "-O1", *tsan, "-pthread", "-frounding-math", "-ffp-contract=off",
+        subprocess.run(["g++", "-std=c++20", "-O1", *SANITIZERS[sanitize], "-pthread", "-frounding-math", "-ffp-contract=off",
                         "-DCLUSTER_HOST_EMULATION", f'-DKERNEL_SOURCE="{cluster_launch.SOURCE}"', *macros,
                         f"-I{EMULATION}", str(EMULATION / "cluster_emulation_main.cpp"), "-o", str(binary)],
                        check=True, capture_output=True, text=True)
@@ -148,9 +152,9 @@ def _emulator(directory, element, cluster, entropy, temperature, threads, saniti
     return _emulators[key]
 
 
-def _emulate(directory, x, labels, temperature, entropy, full, slice_bytes, threads, sanitize=False):
+def _emulate(directory, x, labels, temperature, entropy, full, slice_bytes, threads, sanitize=None):
     """The cluster kernel's outputs for a launch as `ClusterLaunch` makes it (M, L, lse, the labels' logp,
-    entropy, every column's logprob), run on the CPU (with `sanitize`, under ThreadSanitizer: a data race
+    entropy, every column's logprob), run on the CPU (under a sanitizer, `_emulator`: what it reports
     fails the run)."""
     n, vocab = x.shape
     cluster, width = cluster_launch.cluster_width(vocab, x.element_size(), slice_bytes)
@@ -195,7 +199,7 @@ EMULATED = [(dtype, temperature, entropy, threads, cluster)
 EMULATED += [(torch.bfloat16, True, True, 256, None), (torch.float32, False, False, 512, None)]
 
 
-def _check_emulated(tmp_path_factory, dtype, temperatures, entropy, threads, cluster, sanitize=False):
+def _check_emulated(tmp_path_factory, dtype, temperatures, entropy, threads, cluster, sanitize=None):
     """The emulated kernel against the chunked engine on the CPU, every output bit for bit (see the test
     below), for each temperature of `temperatures`."""
     from rl_logp.engines import make_engine
@@ -246,9 +250,11 @@ def test_cluster_kernel_run_on_the_cpu_gives_the_contracts_bits(tmp_path_factory
                     cluster)
 
 
-@pytest.mark.parametrize(("dtype", "temperature", "entropy", "threads", "cluster"),
-                         [(torch.bfloat16, True, True, 64, 4), (torch.float16, True, False, 32, 2),
-                          (torch.float32, False, True, 64, 8)], ids=lambda v: str(v).replace("torch.", ""))
+SANITIZED = [(torch.bfloat16, True, True, 64, 4), (torch.float16, True, False, 32, 2), (torch.float32, False, True, 64, 8)]
+
+
+@pytest.mark.parametrize(("dtype", "temperature", "entropy", "threads", "cluster"), SANITIZED,
+                         ids=lambda v: str(v).replace("torch.", ""))
 def test_cluster_kernel_synchronisation_has_no_data_race(tmp_path_factory, dtype, temperature, entropy, threads,
                                                          cluster):
     """The emulated kernel under ThreadSanitizer: every read of shared memory, its own block's or (through
@@ -257,7 +263,18 @@ def test_cluster_kernel_synchronisation_has_no_data_race(tmp_path_factory, dtype
     ordering the kernel's `__syncthreads` and cluster barriers give; a barrier taken out of the kernel is
     reported as a race). The same outputs as without it."""
     _check_emulated(tmp_path_factory, dtype, (0.7,) if temperature else (None,), entropy, threads, cluster,
-                    sanitize=True)
+                    sanitize="thread")
+
+
+@pytest.mark.parametrize(("dtype", "temperature", "entropy", "threads", "cluster"), SANITIZED,
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_cluster_kernel_stays_inside_its_buffers(tmp_path_factory, dtype, temperature, entropy, threads, cluster):
+    """The emulated kernel under AddressSanitizer and UndefinedBehaviorSanitizer, every buffer (the logits,
+    labels, outputs, each block's slice and shared state) exactly its size: no access outside one (the
+    last slice's columns, labels at the vocabulary's edge, every column's logprob of the last row) and no
+    undefined arithmetic. The same outputs as without them."""
+    _check_emulated(tmp_path_factory, dtype, (0.7,) if temperature else (None,), entropy, threads, cluster,
+                    sanitize="address")
 
 
 @needs_hopper

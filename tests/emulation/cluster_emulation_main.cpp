@@ -7,7 +7,7 @@
 // PICKS); T_BITS is the temperature's fp32 bit pattern. Writes DIR/{max,log_sum,lse}.bin (fp32 [ROWS]),
 // logp.bin (fp32 [ROWS, PICKS]) with labels, ent.bin with ENTROPY, full.bin (fp32, ROWS x STRIDE_FULL)
 // with WANT_FULL: what the launch in `cluster_launch.py` asks of the kernel. Outputs start as a NaN
-// pattern the kernel never writes, and shared memory as 0xA5 bytes.
+// pattern the kernel never writes, and shared memory as 0xA5 bytes; every buffer has exactly its size.
 #include "cluster_emulation.h"
 
 #include KERNEL_SOURCE
@@ -64,10 +64,11 @@ void free_barriers(std::barrier<>* b, int count) {
   ::operator delete(b);
 }
 
+// `bytes` exactly (an AddressSanitizer build reports any access past them), 128-byte aligned.
 void* aligned(std::size_t bytes, unsigned char fill) {
-  const std::size_t size = (bytes + 127) / 128 * 128 + 128;
-  void* p = std::aligned_alloc(128, size);
-  std::memset(p, fill, size);
+  void* p = nullptr;
+  if (posix_memalign(&p, 128, bytes ? bytes : 1) != 0) emu::fail("posix_memalign");
+  std::memset(p, fill, bytes);
   return p;
 }
 
@@ -161,5 +162,9 @@ int main(int argc, char** argv) {
   if (has_labels) write_file(dir + "/logp.bin", l.out_logp, (std::size_t)rows * picks * 4);
   if (ENTROPY) write_file(dir + "/ent.bin", l.out_ent, rows * 4);
   if (want_full) write_file(dir + "/full.bin", l.out_full, (std::size_t)rows * stride_full * 4);
+  for (const void* p : {(const void*)l.x, (const void*)l.labels, (const void*)l.out_max, (const void*)l.out_log_sum,
+                        (const void*)l.out_lse, (const void*)l.out_logp, (const void*)l.out_ent, (const void*)l.out_full})
+    std::free(const_cast<void*>(p));
+  pthread_attr_destroy(&attr);
   return 0;
 }
