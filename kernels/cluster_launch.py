@@ -102,12 +102,12 @@ def _pointer(t: torch.Tensor | None) -> ctypes.c_void_p:
 
 class ClusterLaunch:
     """A launch of the cluster forward for one call's signature (shapes, strides, dtype, device, settings,
-    the outputs asked for): the variant, grid and scalar arguments worked out once. `run(params)` launches it
-    (`cuda_source.parameters(self.args)`: over the tensors it was built with); called as a plan's bound launch
-    (`launch.bind_row_stats`), `self(tensors)` launches it over new tensors of the same signature, (x, labels,
-    out_logp) or (x, out_full), each thread from parameters of its own (`self.parameters`), and returns True, or returns False launching nothing where x or out_full is not 16-byte
-    aligned (the bulk copies and vector stores need it) or another device is current. The caller makes x's
-    device current."""
+    the outputs asked for): the variant, grid and scalar arguments worked out once. `run(params)` launches
+    it (`cuda_source.parameters(self.args)`: over the tensors it was built with); called as a plan's bound
+    launch (`launch.bind_row_stats`), `self(tensors)` launches it over new tensors of the same signature,
+    (x, labels, out_logp) or (x, out_full), each thread from parameters of its own (`self.parameters`), and
+    returns True, or returns False launching nothing where x or out_full is not 16-byte aligned (the bulk
+    copies and vector stores need it) or another device is current. The caller makes x's device current."""
 
     __slots__ = ("args", "device", "function", "grid", "parameters", "shared", "threads")
 

@@ -312,8 +312,8 @@ def bind_kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tens
                   direct: bool = False) -> Callable[[Sequence[torch.Tensor]], bool] | None:
     """`kept_set` of these arguments, after it ran, as a call for new tensors of the same shapes (a rollout's
     at every decode step): called with (z, top_k, top_p, threshold) or, drawing, (z, top_k, top_p, noise,
-    tokens), the absent ones left out, it allocates the workspace and launches through `BoundLaunch`es,
-    returning True, or False where one declined (the launches before it wrote only their own workspace: `z`,
+    tokens), the absent ones left out, it allocates the workspace and launches through `BoundLaunch`es
+    (with `direct`, through the CUDA driver where they can: `launcher.DriverLaunch`), returning True, or False where one declined (the launches before it wrote only their own workspace: `z`,
     `threshold` and `tokens` are written by the last). None where the call launches nothing or a launch
     cannot be bound."""
     if (top_k is None and top_p is None and draw is None) or z.shape[0] == 0:
