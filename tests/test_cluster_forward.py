@@ -1,7 +1,8 @@
 """The cluster forward (`kernels/cluster_row_stats.cu`, one HBM read per row): its slicing, its
 compilation for sm_90 on the CPU (NVRTC needs no GPU), its loading and launching through the driver
-(over a model of the driver), its own source run on the CPU under an emulation of the CUDA thread model
-(`emulation/`) against the contract's CPU path, and on a GPU of compute capability 9.0 or more
+(over a model of the driver), the devices it applies to, its own source run on the CPU under an
+emulation of the CUDA thread model (`emulation/`) against the contract's CPU path, also under
+ThreadSanitizer and AddressSanitizer, and on a GPU of compute capability 9.0 or more
 the Triton forward's bits in every output (one label or several per row, every column's logprob), in
 eager calls, CUDA-graph replays and rollout plans, and the Triton path for the calls it does not take."""
 
