@@ -21,7 +21,9 @@ once per vLLM version. Paths (`--paths`):
 For batch 1, 8, 64, 256, 1024 x 151936, bf16 and fp32 logits, T 1.0 and 0.7, each step is timed
 unpatched and patched: CUDA time (events), wall time (synchronised before and after) and host time
 (until the step returns, not synchronised after), medians of --reps, taken in --rounds rounds that
-alternate unpatched and patched (a noisy host's drift hits both sides alike). Every row checks its outputs (the
+alternate unpatched and patched (a noisy host's drift hits both sides alike); with --driver a third side
+in the same rounds, the patched step with the plans' launches through the CUDA driver (`LaunchConfig.driver`,
+rows '<setting> [driver]'). Every row checks its outputs (the
 same check patched and unpatched; unpatched rows are the control: vLLM's own bits differ):
 `first_column_equals_rl_logp`, the sampled token's logprob (column 0) against `rl_logp.logprobs` of the
 token ids the step returned, with the patch's backend; for `kept_set` rows `kept_set_equals_contract`,
@@ -62,7 +64,7 @@ import platform
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import vllm
@@ -290,15 +292,53 @@ def time_samples(step: Step, reps: int, warmup: int, device: torch.device) -> di
     return samples
 
 
-def interleaved_times(steps: dict[bool, Step], args, device: torch.device) -> dict[bool, dict]:
-    """Medians of --reps timings of the unpatched (False) and patched (True) step, taken in --rounds
-    alternating rounds (the patch applied around each patched round): drift of a noisy host hits both
-    sides alike. Each round starts with --warmup untimed steps."""
+Side = bool | str  # False: unpatched; True: patched; "driver": patched, the plans launched through the driver
+
+
+@contextlib.contextmanager
+def side_scope(side: Side, args) -> Iterator[None]:
+    """What a side runs under: nothing (False), the patch (True), or the patch with the fused kernels'
+    plans launched through the CUDA driver ("driver": `LaunchConfig.driver` in the engine and in
+    RL_LOGP_FUSED_CONFIG, which the kept set's plans read). With --driver every patched scope starts and
+    ends with no plan, so that each side binds its own plans (in its round's warm-up steps)."""
+    if not side:
+        yield
+        return
+    from rl_logp import rollout_calls
+    from rl_logp.engines import make_engine
+    from rl_logp.engines.fused import TUNING_VARIABLE
+
+    engine = make_engine("fused", rl_logp.resolve_config(None).chunk_bytes) if side == "driver" else None
+    saved_env, saved_config = os.environ.get(TUNING_VARIABLE), engine and engine.config
+    if engine is not None:
+        os.environ[TUNING_VARIABLE] = json.dumps({**json.loads(saved_env or "{}"), "driver": True})
+        engine.config = dataclasses.replace(saved_config, driver=True)
+    if args.driver:
+        rollout_calls.clear()
+    try:
+        with adapter.patched(backend=args.backend):
+            yield
+    finally:
+        if engine is not None:
+            engine.config = saved_config
+            if saved_env is None:
+                os.environ.pop(TUNING_VARIABLE, None)
+            else:
+                os.environ[TUNING_VARIABLE] = saved_env
+        if args.driver:
+            rollout_calls.clear()
+
+
+def interleaved_times(steps: dict[Side, Step], args, device: torch.device) -> dict[Side, dict]:
+    """Medians of --reps timings of the unpatched (False), patched (True) and with --driver the patched
+    step through the driver ("driver"), taken in --rounds alternating rounds (each side's scope,
+    `side_scope`, around its rounds): drift of a noisy host hits every side alike. Each round starts with
+    --warmup untimed steps."""
     samples = {side: {"cuda_ms": [], "wall_ms": [], "host_ms": []} for side in steps}
     per_round = max(1, -(-args.reps // args.rounds))
     for _ in range(args.rounds):
         for side, step in steps.items():
-            with adapter.patched(backend=args.backend) if side else contextlib.nullcontext():
+            with side_scope(side, args):
                 for key, values in time_samples(step, per_round, args.warmup, device).items():
                     samples[side][key] += values
     median = statistics.median
@@ -401,13 +441,16 @@ def available_paths(requested: list[str]) -> tuple[list[str], dict[str, str]]:
     return paths, missing
 
 
-def checked_row(step: Step, setting: Setting, batch: int, args, device: torch.device, patched: bool, times: dict,
+def checked_row(step: Step, setting: Setting, batch: int, args, device: torch.device, side: Side, times: dict,
                 launch: dict | None = None) -> dict:
-    """A report row: the step's times, then its checks (run under the patch when `patched`)."""
+    """A report row: the step's times, then its checks (run in the side's scope, `side_scope`)."""
+    patched = bool(side)
     name = setting.name if launch is None else f"{setting.name} kernel {json.dumps(launch, sort_keys=True)}"
+    name += " [driver]" if side == "driver" else ""
     row = {"setting": name, **dataclasses.asdict(setting), "batch": batch, "vocab": args.vocab, "patched": patched,
-           **({} if launch is None else {"launch": launch, "compared_to": setting.name}), **times}
-    with adapter.patched(backend=args.backend) if patched else contextlib.nullcontext():
+           **({} if launch is None else {"launch": launch}), **({"driver": True} if side == "driver" else {}),
+           **({} if name == setting.name else {"compared_to": setting.name}), **times}
+    with side_scope(side, args):
         step.reset()
         row.update(step.check(step()))
         if patched and setting.path == "kept_set" and launch is None and rl_logp.fused_runs_on(device):
@@ -421,15 +464,16 @@ def checked_row(step: Step, setting: Setting, batch: int, args, device: torch.de
 def run(args, device: torch.device, paths: list[str], report: Report) -> None:
     for setting in settings(paths, args.dtypes):
         for batch in args.batches:
-            steps = {False: Step(setting, batch, args.vocab, device, args.backend)}
-            with adapter.patched(backend=args.backend):  # V1's sampler binds the patched forward when built
-                steps[True] = Step(setting, batch, args.vocab, device, args.backend)
+            steps = {}
+            for side in (False, True, *(("driver",) if args.driver else ())):
+                with side_scope(side, args):  # V1's sampler binds the patched forward when built
+                    steps[side] = Step(setting, batch, args.vocab, device, args.backend)
             times = interleaved_times(steps, args, device)
-            unpatched, patched = (checked_row(steps[side], setting, batch, args, device, side, times[side])
-                                  for side in (False, True))
-            report.add(unpatched)
-            report.add(patched)
-            print(f"{setting.name:52s} B={batch:5d} unpatched {_ms(unpatched)}  patched {_ms(patched)}", flush=True)
+            rows = [checked_row(steps[side], setting, batch, args, device, side, times[side]) for side in steps]
+            for row in rows:
+                report.add(row)
+            print(f"{setting.name:52s} B={batch:5d} unpatched {_ms(rows[0])}  patched {_ms(rows[1])}"
+                  + (f"  driver {_ms(rows[2])}" if args.driver else ""), flush=True)
             for launch in args.kept_set_variants if setting.path == "kept_set" else []:
                 step = Step(setting, batch, args.vocab, device, args.backend, launch)
                 times = interleaved_times({True: step}, args, device)[True]
@@ -488,6 +532,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="JSON list of launch parameters of rl_logp.kernels.kept_set.kept_set, fields of its "
                              'KeptSetLaunch (e.g. \'[{"split_rows": 0}, {"split": 16, "buckets": 64}]\'): each is timed on the '
                              "kept_set settings beside vLLM's own rule")
+    parser.add_argument("--driver", action="store_true",
+                        help="also time each patched step with the plans launched through the CUDA driver "
+                             "(LaunchConfig.driver), a third side in the same alternating rounds: rows named "
+                             "'<setting> [driver]'")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (see above)")
     parser.add_argument("--out", default="benchmarks/results/rollout.json")
     args = parser.parse_args(argv)

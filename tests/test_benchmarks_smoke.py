@@ -10,8 +10,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _smoke(script: str, out: Path) -> tuple[dict, str]:
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out)],
+def _smoke(script: str, out: Path, *extra: str) -> tuple[dict, str]:
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out), *extra],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(out.read_text()), run.stdout
@@ -46,6 +46,22 @@ def test_bench_rollout_smoke(tmp_path):
     assert any(not r["first_column_equals_rl_logp"] for r in control if r["path"] == "v2_worker")
     assert f"patched rows whose outputs are rl-logp's: {len(patched)}/{len(patched)}" in stdout
     assert not list(tmp_path.glob("*.partial")) and "report written" in stdout
+
+
+def test_bench_rollout_driver_side_smoke(tmp_path):
+    """--driver times a third side in the same rounds, the patched step with the plans launched through the
+    driver (on the CPU the interpreter's launch: the scopes, rows and checks are what is exercised): a
+    '<setting> [driver]' row per setting and batch, compared to the unpatched one, its outputs rl-logp's."""
+    report, stdout = _smoke("bench_rollout.py", tmp_path / "rollout.json", "--driver", "--paths", "v1_sampler",
+                            "kept_set", "--dtypes", "bfloat16")
+    rows = report["rows"]
+    base = {(r["setting"], r["batch"]) for r in rows if not r["patched"]}
+    driver = [r for r in rows if r.get("driver")]
+    assert {(r["compared_to"], r["batch"]) for r in driver} == base
+    assert all(r["setting"] == r["compared_to"] + " [driver]" and r["patched"] for r in driver)
+    checks = {"kept_set": "kept_set_equals_contract"}
+    assert all(r[checks.get(r["path"], "first_column_equals_rl_logp")] is True for r in driver)
+    assert f"patched rows whose outputs are rl-logp's: {2 * len(base)}/{2 * len(base)}" in stdout
 
 
 def test_bench_rollout_check_fails_on_one_ulp():
