@@ -32,14 +32,17 @@ arguments again and again with only some tensors changing (a rollout's call at e
 CUDA driver itself (`DriverLaunch`): the kernel's parameters packed once as Triton's launcher packs them
 (`driver_values`: every parameter that is not a constexpr, then the global and profile scratch pointers,
 null), only the new tensors' pointers per call; Triton's launcher instead parses every argument and asks
-the driver about every pointer at every call. Where the packing cannot be known for sure (another
-parameter type, scratch memory, clusters, cooperative or PDL launches, or parameters in the kernel's PTX
-that are not the ones packed), the bound launch keeps Triton's launcher.
+the driver about every pointer at every call. The packing is checked when bound against the installed
+Triton's own generated launcher (`make_launcher`'s source: the same arguments in the same order, each of
+the packed size, the scratch pointers last) and the kernel's PTX (as many parameters, of those sizes);
+where it cannot be known for sure (another parameter type, scratch memory, clusters, cooperative or PDL
+launches, either check failing), the bound launch keeps Triton's launcher.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -224,8 +227,30 @@ _PARAM_TYPES = {"i1": ctypes.c_int8, "i8": ctypes.c_int8, "i16": ctypes.c_int16,
                 "i64": ctypes.c_int64, "u1": ctypes.c_uint8, "u8": ctypes.c_uint8, "u16": ctypes.c_uint16,
                 "u32": ctypes.c_uint32, "u64": ctypes.c_uint64, "fp32": ctypes.c_float, "f32": ctypes.c_float,
                 "fp64": ctypes.c_double}
-_SCRATCH_POINTERS = 2  # Triton 3.6's launcher appends the global and the profile scratch pointers
+_SCRATCH = ("&global_scratch", "&profile_scratch")  # what Triton 3.6's launcher appends to every kernel's
+_C_BYTES = {"CUdeviceptr": 8, "int8_t": 1, "int16_t": 2, "int32_t": 4, "int64_t": 8, "uint8_t": 1, "uint16_t": 2,
+            "uint32_t": 4, "uint64_t": 8}
 _PTX_PARAM_BITS = re.compile(r"\.param\s+\.[a-z]+(\d+)\b")
+
+
+@functools.lru_cache(maxsize=256)
+def _triton_parameters(signature: tuple[str, ...]) -> tuple[tuple[int, int], ...] | None:
+    """What the installed Triton's own generated launcher passes a kernel of `signature` (its parameter
+    types in order): (argument index, bytes) of each entry of its parameter array, the scratch pointers as
+    index -1; None where its source does not read as expected (another Triton)."""
+    try:
+        from triton.backends.nvidia.driver import make_launcher
+
+        source = make_launcher({}, dict(enumerate(signature)), None)
+        declared = re.search(r"static void _launch\((.*?)\)", source).group(1).split(", ")
+        order = re.search(r"void \*params\[\] = \{ (.*?) \};", source).group(1).split(", ")
+        c_types = {name: c_type for c_type, name in (d.rsplit(" ", 1) for d in declared)}
+        if tuple(order[-2:]) != _SCRATCH:
+            return None
+        return (*((int(name.removeprefix("&arg")), _C_BYTES[c_types[name[1:]]]) for name in order[:-2]),
+                (-1, 8), (-1, 8))
+    except (ImportError, AttributeError, KeyError, TypeError, ValueError):
+        return None
 
 
 def _ptx_param_bytes(ptx: str | None, name: str) -> list[int] | None:
@@ -241,8 +266,9 @@ def _ptx_param_bytes(ptx: str | None, name: str) -> list[int] | None:
 def driver_values(compiled: Any, args: Sequence[Any]) -> list | None:
     """The parameters Triton's launcher passes `compiled` for `args` as ctypes values, in order: each
     argument that is not a constexpr (a tensor as its data pointer), then the scratch pointers (null);
-    None where that cannot be known for sure (see the module docstring). Checked against the kernel's own
-    PTX: as many parameters, each of the packed size."""
+    None where that cannot be known for sure (see the module docstring). Checked against the installed
+    Triton's own generated launcher (the same arguments in the same order, each of the packed size) and
+    against the kernel's PTX (as many parameters, each of the packed size)."""
     meta = getattr(compiled, "metadata", None)
     signature = getattr(getattr(compiled, "src", None), "signature", None)
     if (meta is None or getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", True)
@@ -250,22 +276,27 @@ def driver_values(compiled: Any, args: Sequence[Any]) -> list | None:
             or getattr(meta, "profile_scratch_size", 1) or getattr(meta, "tensordesc_meta", None)
             or not isinstance(signature, dict) or len(signature) != len(args)):
         return None
-    values = []
-    for ty, a in zip(signature.values(), args, strict=True):
+    if not all(isinstance(ty, str) for ty in signature.values()):
+        return None
+    values, passed = [], []
+    for i, (ty, a) in enumerate(zip(signature.values(), args, strict=True)):
         if ty == "constexpr":
             if type(a) is torch.Tensor:
                 return None
             continue
-        if not isinstance(ty, str):
-            return None
         if ty.startswith("*") and type(a) is torch.Tensor:
             values.append(ctypes.c_uint64(a.data_ptr()))
         elif ty in _PARAM_TYPES and type(a) in ((int, float) if ty[0] == "f" else (int, bool)):
             values.append(_PARAM_TYPES[ty](a))
         else:
             return None
-    values += [ctypes.c_uint64(0)] * _SCRATCH_POINTERS
-    if _ptx_param_bytes(compiled.asm.get("ptx"), compiled.name) != [ctypes.sizeof(v) for v in values]:
+        passed.append(i)
+    values += [ctypes.c_uint64(0) for _ in _SCRATCH]
+    sizes = [ctypes.sizeof(v) for v in values]
+    expected = (*zip(passed, sizes[:len(passed)], strict=True), (-1, 8), (-1, 8))
+    if _triton_parameters(tuple(signature.values())) != expected:
+        return None
+    if _ptx_param_bytes(compiled.asm.get("ptx"), compiled.name) != sizes:
         return None
     return values
 

@@ -477,9 +477,32 @@ def test_driver_values_are_the_parameters_tritons_launcher_passes():
         assert value_bytes(values) == triton_launcher_bytes(compiled, args), args
 
 
-def test_driver_values_decline_what_they_cannot_pack():
+def test_driver_values_decline_what_they_cannot_pack(monkeypatch):
+    """None (Triton's launcher kept) for what the driver launch cannot pack, and wherever the installed
+    Triton's own generated launcher would pass other parameters (another order, scratch pointers placed
+    elsewhere) or reads otherwise."""
+    from triton.backends.nvidia import driver as nvidia_driver
+
     args = (torch.empty(64), torch.empty(64, dtype=torch.bfloat16), 17, 16, 5, 0.5, True, 32, 1)
     compiled = _compiled_probe(args, {"num_warps": 4})
+    assert driver_values(compiled, args) is not None
+    real = nvidia_driver.make_launcher
+    changes = {
+        "two arguments swapped": lambda src: src.replace("{ &arg0, &arg1,", "{ &arg1, &arg0,"),
+        "the scratch pointers first": lambda src: src.replace("{ &arg0,", "{ &global_scratch, &profile_scratch, &arg0,")
+        .replace(", &global_scratch, &profile_scratch };", " };"),
+        "a source of another shape": lambda src: src.replace("static void _launch(", "static void launch_kernel("),
+    }
+    try:
+        for name, change in changes.items():
+            monkeypatch.setattr(nvidia_driver, "make_launcher", lambda *a, change=change: change(real(*a)))
+            launcher_module._triton_parameters.cache_clear()
+            assert change(real({}, dict(enumerate(compiled.src.signature.values())), None)) != real(
+                {}, dict(enumerate(compiled.src.signature.values())), None), name
+            assert driver_values(compiled, args) is None, name
+    finally:
+        monkeypatch.undo()
+        launcher_module._triton_parameters.cache_clear()
     assert driver_values(compiled, args) is not None
     wrong = [("a missing parameter", args[:-1]), ("an int where Triton compiled a pointer", (0, *args[1:]))]
     for name, changed in wrong:
