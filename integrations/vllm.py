@@ -43,6 +43,7 @@ from collections.abc import Iterator
 import torch
 
 import rl_logp
+from rl_logp import rollout_calls
 from rl_logp.config import LogpConfig, resolve_config
 from rl_logp.engines import fused_runs_on
 from rl_logp.sampling_mask import mask_logits_, sample_kept
@@ -100,13 +101,22 @@ def apply_temperature_ieee(logits: torch.Tensor, expanded_idx_mapping: torch.Ten
     x). One launch of `rl_logp.kernels.temperature` where the fused kernels run on the logits' device and
     the three tensors are laid out as vLLM passes them (fp32 logits, one device, contiguous rows and index), else
     torch's division (the same bits). An index outside the temperatures gives NaN rows on the kernel (torch's
-    index error elsewhere), never a temperature read from outside the tensor."""
+    index error elsewhere), never a temperature read from outside the tensor. A call whose signature (each
+    tensor's shape, strides, dtype and device) was seen runs its plan (`rl_logp.rollout_calls`): the
+    launch alone."""
+    key = rollout_calls.signature(("divide_rows",), logits, expanded_idx_mapping, temperature)
+    if key is not None and rollout_calls.run(key, [logits, expanded_idx_mapping, temperature]) is not None:
+        return
     if (fused_runs_on(logits.device) and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
             and expanded_idx_mapping.device == logits.device and temperature.device == logits.device
             and expanded_idx_mapping.is_contiguous() and temperature.is_contiguous()):
-        from rl_logp.kernels.temperature import divide_rows_
+        from rl_logp.engines.fused import config_from_environment
+        from rl_logp.kernels.temperature import bind_divide_rows, divide_rows_
 
         divide_rows_(logits, expanded_idx_mapping, temperature)
+        if key is not None:
+            bound = bind_divide_rows(logits, expanded_idx_mapping, temperature, direct=config_from_environment().driver)
+            rollout_calls.remember(key, None, bound, None)
         return
     t = temperature.index_select(0, expanded_idx_mapping).to(torch.float32)
     logits.div_(t.masked_fill_(t == 0.0, 1.0).unsqueeze(1))

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch_options, on_device
-from .launcher import CachedLauncher
+from .launcher import BoundLaunch, CachedLauncher
 
 BLOCK = 8192  # columns per program
 WARPS = 8
@@ -42,6 +42,23 @@ def divide_rows_(x: torch.Tensor, row_index: torch.Tensor, temperature: torch.Te
     if n == 0 or vocab == 0:
         return
     with on_device(x):
-        divide_launch((n, triton.cdiv(vocab, BLOCK)),
-                      (x, x.stride(0), row_index, temperature, temperature.shape[0], vocab, BLOCK),
-                      launch_options(WARPS, False, 0))
+        divide_launch(*_launch(x, row_index, temperature))
+
+
+def _launch(x: torch.Tensor, row_index: torch.Tensor, temperature: torch.Tensor) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, options) of `divide_rows_`'s launch."""
+    n, vocab = x.shape
+    return ((n, triton.cdiv(vocab, BLOCK)), (x, x.stride(0), row_index, temperature, temperature.shape[0], vocab, BLOCK),
+            launch_options(WARPS, False, 0))
+
+
+def bind_divide_rows(x: torch.Tensor, row_index: torch.Tensor, temperature: torch.Tensor,
+                     direct: bool = False) -> BoundLaunch | None:
+    """`divide_rows_` of these arguments, after it ran, as a `BoundLaunch` taking new (x, row_index,
+    temperature) of the same shapes (vLLM V2's call at every decode step; with `direct`, through the CUDA
+    driver where it can: `launcher.DriverLaunch`). None where the call launches nothing."""
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        return None
+    grid, args, options = _launch(x, row_index, temperature)
+    with on_device(x):
+        return divide_launch.bind(grid, args, options, (0, 2, 3), direct=direct)

@@ -1,10 +1,11 @@
 """Calls without repeated set-up: a call made again and again with new tensors of the same shapes (what a
 rollout makes at every decode step) keeps what its first call worked out, as a plan, for the calls after it.
 
-Two kinds of call keep plans: the scores of an eager single-device call with nothing to differentiate
+Three kinds of call keep plans: the scores of an eager single-device call with nothing to differentiate
 (`logprobs` without autograd, `column_logprobs`, `full_logprobs`: `rl_logp.api`, bound by the engine,
-`LogpEngine.bind_scores`), and the top-k / top-p kept set on the GPU (`rl_logp.sampling_mask`, bound by
-`kernels.kept_set.bind_kept_set`). A call's signature is all that its set-up reads: the caller's settings
+`LogpEngine.bind_scores`), the top-k / top-p kept set on the GPU (`rl_logp.sampling_mask`, bound by
+`kernels.kept_set.bind_kept_set`), and vLLM V2's temperature division in place (the adapter's
+`apply_temperature`, bound by `kernels.temperature.bind_divide_rows`). A call's signature is all that its set-up reads: the caller's settings
 (which call, the config, a float temperature...) and each tensor's exact type, shape, strides, dtype and
 device. No check of the set-up reads a tensor's values, so a call with a known signature passes every
 check its first call passed. A plan allocates the call's output and launches its kernels
@@ -29,15 +30,19 @@ Bound = Callable[[Sequence[torch.Tensor]], bool]  # (the call's tensors, its out
 
 
 class Plan:
-    """A signature's call: an output like its first call's (`shape`, `dtype`, `device`), written by `bound`
-    (`keep`: an object the signature names by id, kept alive so that no other object can take that id)."""
+    """A signature's call: an output like its first call's (`shape`, `dtype`, `device`), written by `bound`,
+    or for a call in place (no output) its first tensor, which `bound` writes (`keep`: an object the
+    signature names by id, kept alive so that no other object can take that id)."""
 
     __slots__ = ("bound", "device", "dtype", "keep", "shape")
 
-    def __init__(self, keep: Any, bound: Bound, out: torch.Tensor) -> None:
-        self.keep, self.bound, self.shape, self.dtype, self.device = keep, bound, out.shape, out.dtype, out.device
+    def __init__(self, keep: Any, bound: Bound, out: torch.Tensor | None) -> None:
+        self.keep, self.bound = keep, bound
+        self.shape, self.dtype, self.device = (None, None, None) if out is None else (out.shape, out.dtype, out.device)
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        if self.shape is None:
+            return tensors[0] if self.bound(tensors) else None
         out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         return out if self.bound((*tensors, out)) else None
 
@@ -65,8 +70,8 @@ def signature(settings: tuple, *tensors: object) -> tuple | None:
 
 
 def run(key: tuple, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The output of the signature's plan over `tensors` (those of the call that are not None), or None: no
-    plan, or its launch declined (the plan is then dropped, and the ordinary path that follows binds the
+    """The output of the signature's plan over `tensors` (those of the call that are not None; in place, the
+    first of them), or None: no plan, or its launch declined (the plan is then dropped, and the ordinary path that follows binds the
     signature anew)."""
     plan = _plans.get(key)
     if plan is None:
@@ -77,8 +82,9 @@ def run(key: tuple, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return out
 
 
-def remember(key: tuple, keep: Any, bound: Bound | None, out: torch.Tensor) -> None:
-    """Keep a plan for `key`, whose first call wrote `out`, where the call could be bound (`bound`)."""
+def remember(key: tuple, keep: Any, bound: Bound | None, out: torch.Tensor | None) -> None:
+    """Keep a plan for `key`, whose first call wrote `out` (None: its first tensor, in place), where the call
+    could be bound (`bound`)."""
     if bound is None:
         return
     if len(_plans) >= MAX_PLANS:

@@ -71,3 +71,41 @@ def test_gpu_vllm_rows_of_a_real_vocabulary():
     want = _torch_division(x, index, temperature)
     divide_rows_(x, index, temperature)
     assert torch.equal(bits(x), bits(want))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_vllm_apply_temperature_keeps_a_plan(device, monkeypatch):
+    """The adapter's `apply_temperature` (vLLM V2, at every decode step): the calls after a signature's first
+    run its plan (the launch alone, `kernels.temperature.bind_divide_rows`) with torch's division bits;
+    another signature binds anew; logits torch divides (fp16) keep no plan; a plan whose launch declines (the
+    logits off a 16-byte boundary) gives way to the ordinary path."""
+    from rl_logp import rollout_calls
+    from rl_logp.integrations import vllm as adapter
+    from rl_logp.kernels import temperature as module
+
+    rollout_calls.clear()
+    ordinary, divide = [], module.divide_rows_
+    monkeypatch.setattr(module, "divide_rows_", lambda *args: (ordinary.append(1), divide(*args)))
+    temperature = torch.tensor([0.7, 1.0, 0.0, 1.3, 2.0], device=device)
+    try:
+        for n, calls in ((4, 3), (3, 2)):
+            for seed in range(calls):
+                x = model_like_logits(n, 3000, torch.float32, device, seed=seed)
+                index = torch.tensor([4, 0, 3, 1][:n], device=device)
+                want = _torch_division(x, index, temperature)
+                adapter.apply_temperature_ieee(x, index, temperature)
+                assert torch.equal(bits(x), bits(want))
+        assert len(ordinary) == 2 and len(rollout_calls._plans) == 2
+        half = model_like_logits(3, 3000, torch.float16, device, seed=5)
+        adapter.apply_temperature_ieee(half, torch.tensor([4, 0, 3], device=device), temperature)
+        assert len(ordinary) == 2 and len(rollout_calls._plans) == 2  # torch's division, no plan
+        base = model_like_logits(1, 4 * 3000 + 1, torch.float32, device, seed=6)[0]
+        aligned, shifted = base[:-1].view(4, 3000), base[1:].view(4, 3000)  # the first loop's 4-row signature
+        for x in (aligned, shifted):
+            index = torch.tensor([4, 0, 3, 1], device=device)
+            want = _torch_division(x, index, temperature)
+            adapter.apply_temperature_ieee(x, index, temperature)
+            assert torch.equal(bits(x), bits(want))
+        assert len(ordinary) == 3  # the 4-row plan ran on the aligned logits and declined the shifted ones
+    finally:
+        rollout_calls.clear()
