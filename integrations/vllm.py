@@ -130,11 +130,13 @@ def make_processed_logprobs_forward(original, config: LogpConfig):
     def forward(self, logits, generators, k, p):
         if self.logprobs_mode != "processed_logprobs":
             return original(self, logits, generators, k, p)
-        self.logprobs_mode = "processed_logits"
+        # A plain attribute of the module: set as object.__setattr__ would (Module.__setattr__ looks through
+        # its parameters, buffers and submodules first, at every decode step).
+        object.__setattr__(self, "logprobs_mode", "processed_logits")
         try:
             sampled, processed = original(self, logits, generators, k, p)
         finally:
-            self.logprobs_mode = "processed_logprobs"
+            object.__setattr__(self, "logprobs_mode", "processed_logprobs")
         return sampled, compute_logprobs(processed)
 
     return forward
