@@ -114,17 +114,18 @@ def _verl_functions():
     return verl_tf, ""
 
 
-def with_cluster(found: dict[str, Provider], missing: dict[str, str], call: Provider) -> None:
-    """`call` again as "rl_logp cluster", with the cluster forward (`LaunchConfig.cluster_rows`) where the GPU
-    has thread block clusters: the same public call beside the Triton forward, in the same run."""
+def with_triton_forward(found: dict[str, Provider], missing: dict[str, str], call: Provider) -> None:
+    """`call` again as "rl_logp triton", with the cluster forward off (`LaunchConfig.cluster_rows` 0: the
+    Triton forward, which the default takes below `cluster_rows` rows and where the GPU has no thread block
+    clusters): the same public call beside the default, in the same run."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
-        def clustered(x, y, t, ip):
-            with engine_launch_config({"cluster_rows": 1}):
+        def triton_forward(x, y, t, ip):
+            with engine_launch_config({"cluster_rows": 0}):
                 return call(x, y, t, ip)
 
-        found["rl_logp cluster"] = clustered
+        found["rl_logp triton"] = triton_forward
     else:
-        missing["rl_logp cluster"] = "needs a GPU of compute capability 9.0 or more"
+        missing["rl_logp triton"] = "the default is the Triton forward here (no thread block clusters)"
 
 
 def logp_providers(smoke: bool) -> tuple[dict[str, Provider], dict[str, str]]:
@@ -135,7 +136,7 @@ def logp_providers(smoke: bool) -> tuple[dict[str, Provider], dict[str, str]]:
     if smoke:
         found["rl_logp chunked"] = lambda x, y, t, ip: rl_logp.logprobs(x, y, backend="chunked", temperature=t)
     missing: dict[str, str] = {}
-    with_cluster(found, missing, found["rl_logp"])
+    with_triton_forward(found, missing, found["rl_logp"])
     try:
         from flash_attn.ops.triton.cross_entropy import cross_entropy_loss
 
@@ -161,7 +162,7 @@ def logp_providers(smoke: bool) -> tuple[dict[str, Provider], dict[str, str]]:
 def entropy_providers() -> tuple[dict[str, Provider], dict[str, str]]:
     found: dict[str, Provider] = {"rl_logp": lambda x, y, t, ip: rl_logp.entropy(x, temperature=t)}
     missing: dict[str, str] = {}
-    with_cluster(found, missing, found["rl_logp"])
+    with_triton_forward(found, missing, found["rl_logp"])
     verl_tf, why = _verl_functions()
     if verl_tf is None:
         return found, {**missing, "verl entropy_from_logits (compiled)": why}
@@ -176,7 +177,7 @@ def both_providers() -> tuple[dict[str, Provider], dict[str, str]]:
         "rl_logp": lambda x, y, t, ip: rl_logp.logprobs_and_entropy(x, y, temperature=t, inplace_backward=ip),
     }
     missing: dict[str, str] = {}
-    with_cluster(found, missing, found["rl_logp"])
+    with_triton_forward(found, missing, found["rl_logp"])
     verl_tf, why = _verl_functions()
     if verl_tf is None:
         return found, {**missing, "verl logprobs + compiled entropy": why}
@@ -284,11 +285,11 @@ def sweep_variants(smoke: bool) -> list[dict]:
     """Overrides of `LaunchConfig` to time (the first is the default)."""
     if smoke:
         return [{}, {"chunk": 512, "lane": 8}]
-    # The cluster forward (one HBM read per row: 4 blocks of 76 KB per bf16 row of 151936, or 8 of 38 KB),
-    # and one Triton program per SM (132 rows in flight, 39 MB: does the second pass then come from L2?).
-    forward = [{}, {"cluster_rows": 1}, {"cluster_rows": 1, "cluster_threads": 512},
-               {"cluster_rows": 1, "cluster_slice_bytes": 49152}, {"programs_per_sm": 1, "warps": 32, "chunk": 16384},
-               {"programs_per_sm": 1, "warps": 16, "chunk": 8192}]
+    # The default takes the cluster forward at these rows (one HBM read per row: 4 blocks of 76 KB per bf16
+    # row of 151936); beside it its other shapes and the Triton forward (`cluster_rows` 0), with one Triton
+    # program per SM (132 rows in flight, 39 MB: does the second pass then come from L2?).
+    forward = [{}, {"cluster_threads": 512}, {"cluster_slice_bytes": 49152}, {"cluster_rows": 0},
+               {"cluster_rows": 0, "programs_per_sm": 1, "warps": 32, "chunk": 16384}]
     backward = [{"grad_block": 8192, "grad_warps": 8}, {"grad_block": 2048, "grad_warps": 4}]
     return forward + backward
 

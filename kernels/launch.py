@@ -67,11 +67,13 @@ class LaunchConfig:
     same bits); grad_block, grad_warps: the backward's tile and warps (its general path works in sub-tiles
     of four columns per thread, `grad_sub`); cluster_rows: `row_stats` calls of at least this many rows
     take the cluster forward (`cluster_launch`: one HBM read per row) where it applies (0: never; a call it
-    does not apply to takes the Triton kernels, the same bits); cluster_threads, cluster_slice_bytes: its
-    threads per block and the most bytes of a row one block holds; driver: the rollout plans' launches
-    (`bind_row_stats`, and the kept set's `bind_kept_set` through `rl_logp.sampling_mask`) go through the
-    CUDA driver itself where the kernel's parameters are known (`launcher.DriverLaunch`, less host time
-    per call; off until it has run on a GPU: Triton's launcher).
+    does not apply to takes the Triton kernels, the same bits; 256: on an H100 it was faster from 256
+    rows on, and the Triton kernel took less GPU time at 1-64, `h100_calls_rollout*.json`);
+    cluster_threads, cluster_slice_bytes: its threads per block and the most bytes of a row one block
+    holds; driver: the rollout plans' launches (`bind_row_stats`, and the kept set's `bind_kept_set`
+    through `rl_logp.sampling_mask`) go through the CUDA driver itself where the kernel's parameters are
+    known (`launcher.DriverLaunch`; off: on an H100 the launch alone was faster but vLLM's steps were not,
+    `h100_rollout_vllm_0.24.0_driver.json`).
     """
 
     chunk: int = 4096
@@ -89,7 +91,7 @@ class LaunchConfig:
     ftz: bool = False
     grad_block: int = 4096
     grad_warps: int = 4
-    cluster_rows: int = 0
+    cluster_rows: int = 256
     cluster_threads: int = 256
     cluster_slice_bytes: int = 98304
     driver: bool = False
