@@ -255,10 +255,10 @@ def backward(variant: Variant, cfg: launch.LaunchConfig, vocab: int, dtype: torc
     return compile_launch(grad.grad_kernel, args, options)
 
 
-def kept_set_launches(vocab: int, which: tuple[str, ...] = ("k", "p", "kp", "-")):
-    """(name, compiled kernel) of each launch `kept_set` makes, per plan (one row: the split plan; 512 rows:
-    the fused one), parameters (`which`: k, p, both; "-" neither, with a draw only) and mode (write,
-    threshold, draw)."""
+def kept_set_calls(vocab: int, which: tuple[str, ...] = ("k", "p", "kp", "-")):
+    """(name, kernel, arguments, options) of each launch `kept_set` makes, per plan (one row: the split
+    plan; 512 rows: the fused one), parameters (`which`: k, p, both; "-" neither, with a draw only) and mode
+    (write, threshold, draw)."""
     cfg = kept_set.KeptSetLaunch()
     options = launch.launch_options(cfg.warps, False, cfg.max_registers)
     for n in (1, 512):
@@ -276,7 +276,13 @@ def kept_set_launches(vocab: int, which: tuple[str, ...] = ("k", "p", "kp", "-")
                 launches = kept_set._launches(z, k, p, 40, threshold, workspace, mode == "write", draw, split, cfg)
                 for phase, (launcher, _, args) in enumerate(launches):
                     name = f"{'split' if split > 1 else 'fused'} {given} {mode}" + (f" #{phase + 1}" if split > 1 else "")
-                    yield name, compile_launch(launcher.kernel, args, options)
+                    yield name, launcher.kernel, args, options
+
+
+def kept_set_launches(vocab: int, which: tuple[str, ...] = ("k", "p", "kp", "-")):
+    """(name, compiled kernel) of each of `kept_set_calls`."""
+    for name, kernel, args, options in kept_set_calls(vocab, which):
+        yield name, compile_launch(kernel, args, options)
 
 
 def cluster_report(vocab: int, dtype: torch.dtype, cfg: launch.LaunchConfig, show: bool) -> None:

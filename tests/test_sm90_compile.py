@@ -44,11 +44,10 @@ def test_kernels_compile_for_sm90_without_spills():
 DRIVER = """
 import sys
 sys.path[:0] = ["benchmarks", "tests"]
-import dataclasses
 import torch
 import kernel_resources as kr
 from helpers import triton_launcher_bytes, value_bytes
-from rl_logp.kernels import fixed_point, kept_set, launch, row_stats
+from rl_logp.kernels import fixed_point, launch, row_stats
 from rl_logp.kernels.launcher import driver_values
 
 cfg, n, vocab = launch.LaunchConfig(), 8, 151936
@@ -64,18 +63,7 @@ for dtype, t in ((torch.bfloat16, None), (torch.bfloat16, 0.7), (torch.float32, 
             x, labels, mode, None, 1.0 if t is None else t, None, (None, None, None, out_logp, None), (None, None), 40,
             False, row_stats.MAX_SCAN.value, row_stats.RESULT_ROW.value, cfg, out_full)
         cases.append((f"{name} {dtype} T={t}", row_stats.row_stats_kernel, args, options))
-kcfg = kept_set.KeptSetLaunch()
-options = launch.launch_options(kcfg.warps, False, kcfg.max_registers)
-for rows in (1, 512):
-    z = torch.empty(rows, vocab)
-    split = kept_set.split_count(z, dataclasses.replace(kcfg, split=32) if rows == 1 else kcfg)
-    workspace = torch.empty(kept_set._workspace_shape(z, split, kcfg), dtype=torch.int32)
-    k, p = torch.empty(rows, dtype=torch.int64), torch.empty(rows)
-    for mode, draw in (("write", None), ("draw", (torch.empty(rows, vocab), torch.empty(rows, dtype=torch.int64)))):
-        threshold = None if draw else torch.empty(rows)
-        launches = kept_set._launches(z, k, p, 40, threshold, workspace, mode == "write", draw, split, kcfg)
-        for phase, (launcher, _, args) in enumerate(launches):
-            cases.append((f"kept set {rows} rows {mode} #{phase + 1}", launcher.kernel, args, options))
+cases += list(kr.kept_set_calls(vocab, which=("kp", "-")))
 for name, fn, args, options in cases:
     compiled = kr.compile_launch(fn, args, options)
     values = driver_values(compiled, args)
@@ -86,13 +74,13 @@ for name, fn, args, options in cases:
 
 def test_rollout_launches_pack_for_the_driver_as_tritons_launcher():
     """Every launch a rollout plan binds (the forward of `logprobs`, `column_logprobs`, `full_logprobs`
-    at T = 1 and 0.7; the kept set's fused and split launches, masking and drawing), compiled for sm_90:
-    `driver_values` packs it (the driver launch would engage, not decline) with the bytes Triton's own
-    generated launcher passes."""
+    at T = 1 and 0.7; the kept set's fused and split launches, masking, thresholds and drawing), compiled
+    for sm_90: `driver_values` packs it (the driver launch would engage, not decline) with the bytes
+    Triton's own generated launcher passes."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", DRIVER], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = [line.split("|") for line in run.stdout.splitlines()]
-    assert len(rows) == 9 + 6 + 2  # 9 forwards; the kept set's split plan 3 + 3 launches, its fused plan 1 + 1
+    assert len(rows) == 9 + 12 + 4  # 9 forwards; the kept set (`kept_set_calls`): split 3 launches x 4, fused 4
     assert [name for name, packed, same in rows if packed != "1" or same != "1"] == []
