@@ -48,11 +48,6 @@ def cluster_width(n_cols: int, element_size: int, slice_bytes: int) -> tuple[int
     return None
 
 
-@functools.lru_cache(maxsize=16)
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
 @functools.lru_cache(maxsize=64)
 def device_fits(device_index: int, slice_bytes: int) -> bool:
     """Whether the GPU runs thread block clusters (compute capability 9.0 or more) and lets a block take a
@@ -90,7 +85,7 @@ def variant_options(element: int, cluster: int, entropy: bool, temperature: bool
 def _function(device_index: int, element: int, cluster: int, entropy: bool, temperature: bool, threads: int,
               slice_bytes: int) -> cuda_source.Function:
     """One variant, compiled for the device's compute capability and loaded on it."""
-    major, minor = _capability(device_index)
+    major, minor = torch.cuda.get_device_capability(device_index)
     cubin = cuda_source.compile_cubin(SOURCE.read_text(), KERNEL, f"sm_{major}{minor}",
                                       variant_options(element, cluster, entropy, temperature, threads, slice_bytes))
     return cuda_source.Function(cubin, KERNEL, slice_bytes, device_index)
