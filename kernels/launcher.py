@@ -227,7 +227,7 @@ _PARAM_TYPES = {"i1": ctypes.c_int8, "i8": ctypes.c_int8, "i16": ctypes.c_int16,
                 "i64": ctypes.c_int64, "u1": ctypes.c_uint8, "u8": ctypes.c_uint8, "u16": ctypes.c_uint16,
                 "u32": ctypes.c_uint32, "u64": ctypes.c_uint64, "fp32": ctypes.c_float, "f32": ctypes.c_float,
                 "fp64": ctypes.c_double}
-_SCRATCH = ("&global_scratch", "&profile_scratch")  # what Triton 3.6's launcher appends to every kernel's
+_SCRATCH = ("&global_scratch", "&profile_scratch")  # appended by Triton 3.6's launcher to every kernel's parameters
 _C_BYTES = {"CUdeviceptr": 8, "int8_t": 1, "int16_t": 2, "int32_t": 4, "int64_t": 8, "uint8_t": 1, "uint16_t": 2,
             "uint32_t": 4, "uint64_t": 8}
 _PTX_PARAM_BITS = re.compile(r"\.param\s+\.[a-z]+(\d+)\b")
