@@ -14,10 +14,12 @@ accumulator starts at zero and is stored in `out`'s dtype (round to nearest, as 
 The three products of a linear layer are this one kernel on strided views: logits `h @ W.T` (a = h,
 b = W.T), `grad_h = g @ W` and `grad_W = g.T @ h`. Triton specialises a stride of 1, so each view's
 contiguous dimension is known when it compiles. fp32 operands multiply in IEEE fp32 (no TF32), as torch's
-default matmul does. Under Triton's interpreter (the CPU) bf16 tiles are widened to fp32 before the
-product (exact: the interpreter would otherwise multiply their raw bit patterns), and a 16-bit output is
-accumulated in fp32 and rounded by torch (the interpreter's downcast does not round to nearest even); its
-tile product is numpy's, so the CPU checks the kernel's logic and invariances, not the GPU's bits.
+default matmul does. Under Triton's interpreter (the CPU) a tile product is a sum over the tile's `t`, in
+increasing `t` for every element, of outer products of a column of `a` and a row of `b` widened to fp32
+(exact; the interpreter would multiply bf16 tiles' raw bit patterns): numpy's matmul (OpenBLAS) gives an
+element bits that depend on its row's place in the tile on some CPUs. A 16-bit output is accumulated in fp32 and rounded by torch
+(the interpreter's downcast does not round to nearest even). So the CPU checks the kernel's logic and
+invariances, not the GPU's bits.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ ALIGN = math.lcm(*(size for c in CONFIGS.values() for size in (c.block_m, c.bloc
 @triton.jit
 def matmul_kernel(
     A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -84,17 +86,21 @@ def matmul_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+        if INTERPRETED:  # see the module docstring: one outer product of a column and a row per t
+            for kk in range(0, BLOCK_K):
+                t = k * BLOCK_K + kk
+                a_col = tl.load(A + am * stride_am + t * stride_ak, mask=t < K, other=0.0).to(tl.float32)
+                b_row = tl.load(B + t * stride_bk + bn * stride_bn, mask=t < K, other=0.0).to(tl.float32)
+                acc += a_col[:, None] * b_row[None, :]
         else:
-            left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=rk[None, :] < left, other=0.0)
-            b = tl.load(b_ptrs, mask=rk[:, None] < left, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                left = K - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=rk[None, :] < left, other=0.0)
+                b = tl.load(b_ptrs, mask=rk[:, None] < left, other=0.0)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=c_mask)
@@ -127,7 +133,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool
         matmul_kernel[grid](
             a, b, out, rows, cols, depth, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             out.stride(0), out.stride(1),
-            ACCUMULATE=accumulate, EVEN_K=depth % cfg.block_k == 0, UPCAST=INTERPRET and a.dtype == torch.bfloat16,
+            ACCUMULATE=accumulate, EVEN_K=depth % cfg.block_k == 0, INTERPRETED=INTERPRET,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.warps, num_stages=cfg.stages,
         )
