@@ -434,8 +434,11 @@ def available_paths(requested: list[str]) -> tuple[list[str], dict[str, str]]:
     for path in requested:
         module = {"v1_sampler": adapter.V1_SAMPLER, "v2_worker": adapter.V2_GPU_LOGPROB,
                   "kept_set": adapter.V1_TOPK_TOPP, "draw": adapter.V1_TOPK_TOPP}[path]
-        if adapter.try_import(module) is None:
+        found = adapter.try_import(module)
+        if found is None:
             missing[path] = f"vllm {vllm.__version__} has no {module}"
+        elif path == "draw" and not hasattr(found, "random_sample"):  # the unpatched side: V1's native draw
+            missing[path] = f"vllm {vllm.__version__}'s {module} has no random_sample (V1's draw without FlashInfer)"
         else:
             paths.append(path)
     return paths, missing

@@ -89,7 +89,7 @@ for stage in ${STAGES}; do
       for case in ${NCU_CASES:-t1 t07 t1_entropy}; do
         timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none --nvtx --nvtx-include measure/ \
           --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-          --section MemoryWorkloadAnalysis -f -o "$OUT/ncu_${case}" \
+          --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats -f -o "$OUT/ncu_${case}" \
           python3 -P benchmarks/ncu_cases.py --case "${case}" ${NCU_ARGS:-} 2>&1 | tail -3
         ncu --import "$OUT/ncu_${case}.ncu-rep" --page details > "$OUT/ncu_${case}.txt" 2>&1
         grep -E "grad_kernel|row_stats_kernel|cluster_row_stats|kept_set|Duration|Registers Per|Achieved Occupancy|Memory Throughput|DRAM Throughput|Compute \(SM\)" \

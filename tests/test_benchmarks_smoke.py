@@ -1,6 +1,8 @@
 """The benchmark scripts keep working: each runs with --smoke (tiny shapes on the CPU) in CI."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +12,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _smoke(script: str, out: Path, *extra: str) -> tuple[dict, str]:
+def _smoke(script: str, out: Path, *extra: str, env: dict | None = None) -> tuple[dict, str]:
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out), *extra],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(out.read_text()), run.stdout
 
@@ -46,6 +48,25 @@ def test_bench_rollout_smoke(tmp_path):
     assert any(not r["first_column_equals_rl_logp"] for r in control if r["path"] == "v2_worker")
     assert f"patched rows whose outputs are rl-logp's: {len(patched)}/{len(patched)}" in stdout
     assert not list(tmp_path.glob("*.partial")) and "report written" in stdout
+
+
+def test_bench_rollout_says_which_paths_the_latest_vllm_lacks(tmp_path):
+    """Against the latest vLLM release's sources (scripts/setup.sh unpacks them; V2 only: no V1 sampler, and
+    no native draw to compare the patched one with): the paths it lacks are reported as not run, each with
+    its reason, instead of failing the run (its V2 worker runs on the GPU: `h200_rollout_vllm_0.34.0*.json`;
+    on the CPU vLLM's own top-k / top-p of that release has no path)."""
+    latest = re.search(r"^VLLM_LATEST=(\S+)", (ROOT / "scripts" / "vllm_latest.sh").read_text(), re.M).group(1)
+    sources = ROOT / f".vllm-{latest}"
+    assert (sources / "vllm" / "_version.py").is_file(), f"{sources}: run scripts/setup.sh"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(sources), os.environ.get("PYTHONPATH")]))}
+    report, stdout = _smoke("bench_rollout.py", tmp_path / "rollout.json", "--paths", "v1_sampler", "draw", env=env)
+    assert report["vllm"] == latest and report["rows"] == []
+    assert report["not_run"] == {
+        "v1_sampler": f"vllm {latest} has no vllm.v1.sample.sampler",
+        "draw": f"vllm {latest}'s vllm.v1.sample.ops.topk_topp_sampler has no random_sample (V1's draw without "
+                "FlashInfer)",
+    }
+    assert "report written" in stdout
 
 
 def test_bench_rollout_driver_side_smoke(tmp_path):
