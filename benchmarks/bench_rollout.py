@@ -429,16 +429,23 @@ def settings(paths: list[str], dtypes: list[str]) -> list[Setting]:
     return found
 
 
+# Per path: the vLLM module its steps call and, where a vLLM may have the module without it, the function
+# its unpatched side needs with what that function is.
+PATH_NEEDS = {"v1_sampler": (adapter.V1_SAMPLER, None), "v2_worker": (adapter.V2_GPU_LOGPROB, None),
+              "kept_set": (adapter.V1_TOPK_TOPP, None),
+              "draw": (adapter.V1_TOPK_TOPP, ("random_sample", "V1's draw without FlashInfer"))}
+
+
 def available_paths(requested: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The requested paths the installed vLLM can run both sides of, and why each other one cannot."""
     paths, missing = [], {}
     for path in requested:
-        module = {"v1_sampler": adapter.V1_SAMPLER, "v2_worker": adapter.V2_GPU_LOGPROB,
-                  "kept_set": adapter.V1_TOPK_TOPP, "draw": adapter.V1_TOPK_TOPP}[path]
+        module, function = PATH_NEEDS[path]
         found = adapter.try_import(module)
         if found is None:
             missing[path] = f"vllm {vllm.__version__} has no {module}"
-        elif path == "draw" and not hasattr(found, "random_sample"):  # the unpatched side: V1's native draw
-            missing[path] = f"vllm {vllm.__version__}'s {module} has no random_sample (V1's draw without FlashInfer)"
+        elif function is not None and not hasattr(found, function[0]):
+            missing[path] = f"vllm {vllm.__version__}'s {module} has no {function[0]} ({function[1]})"
         else:
             paths.append(path)
     return paths, missing

@@ -17,9 +17,9 @@ contiguous dimension is known when it compiles. fp32 operands multiply in IEEE f
 default matmul does. Under Triton's interpreter (the CPU) a tile product is a sum over the tile's `t`, in
 increasing `t` for every element, of outer products of a column of `a` and a row of `b` widened to fp32
 (exact; the interpreter would multiply bf16 tiles' raw bit patterns): numpy's matmul (OpenBLAS) gives an
-element bits that depend on its row's place in the tile on some CPUs. A 16-bit output is accumulated in fp32 and rounded by torch
-(the interpreter's downcast does not round to nearest even). So the CPU checks the kernel's logic and
-invariances, not the GPU's bits.
+element bits that depend on its row's place in the tile on some CPUs. A 16-bit output is accumulated in
+fp32 and rounded by torch (the interpreter's downcast does not round to nearest even). So the CPU checks
+the kernel's logic and invariances, not the GPU's bits.
 """
 
 from __future__ import annotations
