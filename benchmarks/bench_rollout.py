@@ -48,6 +48,7 @@ for the GPU's SM count).
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 if "--smoke" in sys.argv:
@@ -472,7 +473,7 @@ def checked_row(step: Step, setting: Setting, batch: int, args, device: torch.de
 
 
 def run(args, device: torch.device, paths: list[str], report: Report) -> None:
-    for setting in settings(paths, args.dtypes):
+    for setting in [s for s in settings(paths, args.dtypes) if re.search(args.match, s.name)]:
         for batch in args.batches:
             steps = {}
             for side in (False, True, *(("driver",) if args.driver else ())):
@@ -536,6 +537,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=4,
                         help="alternating unpatched / patched rounds the --reps are spread over")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each round")
+    parser.add_argument("--match", default="", help="only the settings whose name this regular expression finds "
+                        "(e.g. 'k50' for the top-k / top-p ones)")
     parser.add_argument("--check-batch", type=int, default=64, help="batch size of the sync and CUDA-graph checks")
     parser.add_argument("--backend", default="auto", help="rl-logp backend of the patch and of the checks")
     parser.add_argument("--kept-set-variants", type=json.loads, default=[],

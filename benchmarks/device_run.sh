@@ -3,22 +3,23 @@
 # benchmarks/make_device_bundle.sh), then run the stages named in STAGES (default: tests bench):
 #   tests     the GPU tests (TEST_FILES: groups of files separated by ';', a process each; TEST_FILTER)
 #             -> $OUT/gpu_tests.txt
-#   sweep     bench_logp.py --suites sweep: launch variants of the fused kernels -> $OUT/h200_sweep.json
+#   sweep     bench_logp.py --suites sweep: launch variants of the fused kernels -> $OUT/${GPU}_sweep.json
 #   calls     bench_logp.py --suites rollout overhead tp (CALLS_SUITES, more arguments in CALLS_ARGS): rollout-size
-#             calls, host time, TP agreement cost -> $OUT/h200_calls.json
-#   bench     bench_logp.py --suites main: every provider at 8192 and 32768 rows -> $OUT/h200_bench.json
-#   verl      bench_verl_step.py --suites fsdp compile (VERL_SUITES) -> $OUT/h200_verl_step.json
-#   megatron  bench_verl_step.py --suites megatron: verl's Megatron engine step -> $OUT/h200_megatron_step.json
+#             calls, host time, TP agreement cost -> $OUT/${GPU}_calls.json
+#   bench     bench_logp.py --suites main: every provider at 8192 and 32768 rows -> $OUT/${GPU}_bench.json
+#   verl      bench_verl_step.py --suites fsdp compile (VERL_SUITES) -> $OUT/${GPU}_verl_step.json
+#   megatron  bench_verl_step.py --suites megatron: verl's Megatron engine step -> $OUT/${GPU}_megatron_step.json
 #   rollout   bench_rollout.py (ROLLOUT_ARGS) against each carried vLLM (ROLLOUT_VERSIONS)
-#             -> $OUT/h200_rollout_<version>.json
+#             -> $OUT/${GPU}_rollout_<version>.json
 #   profile   profile_rollout_step.py for vLLM 0.24.0's V1 step at 8 rows, raw and processed (PROFILE_ARGS):
-#             each function's host time per step, patched minus unpatched -> $OUT/h200_profile_v1_<mode>.txt
+#             each function's host time per step, patched minus unpatched -> $OUT/${GPU}_profile_v1_<mode>.txt
 #   ncu       Nsight Compute on one call per case (benchmarks/ncu_cases.py; NCU_CASES: t1 t07 t1_entropy t07_entropy,
 #             a forward + backward of rl_logp.logprobs; kept_k50 kept_p09 kept_k50_p09, the kept set at one row;
 #             NCU_ARGS to the script) -> $OUT/ncu_<case>.ncu-rep and .txt
 #   check     the TP=2 agreement check with each carried vLLM as the rollout side
 #   linear    (issue 27) tests/test_linear.py, then bench_linear.py: rl-logp's fused lm_head + logp beside
-#             verl's fused heads and the unfused path -> $OUT/gpu_linear_tests.txt, $OUT/h200_linear.json
+#             verl's fused heads and the unfused path -> $OUT/gpu_linear_tests.txt, $OUT/${GPU}_linear.json
+# ${GPU} in the names above: the GPU the files were measured on (h100, h200; gpu for another).
 # RL_LOGP_FUSED_CONFIG, when set, reaches every stage. Usage (on the GPU machine, from the repo root):
 #   STAGES="tests sweep" bash benchmarks/device_run.sh
 set -u
@@ -42,6 +43,9 @@ rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r rl_logp /tmp/pkg/ && cp -r kernels
 BASE="/tmp/pkg:/tmp/site:${PWD}/.whl/fa"
 export PYTHONPATH="${BASE}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
+# The files' prefix names the GPU they were measured on (h100, h200; "gpu" for another).
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h100|h200' | head -1 | tr 'A-Z' 'a-z')
+GPU=${GPU:-gpu}
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 quiet() { grep -vE '^(INFO|WARNING|DEBUG)|Failed to import from vllm'; }
 for stage in ${STAGES}; do
@@ -60,28 +64,28 @@ for stage in ${STAGES}; do
       grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/gpu_tests.txt" | tail -25 ;;
     sweep)
       timeout "${SWEEP_TIMEOUT:-300}" python3 -P benchmarks/bench_logp.py --suites sweep --rows 32768 \
-        --reps "${REPS:-5}" --out "$OUT/h200_sweep.json" 2>&1 | grep -v '^{' | tail -30 ;;
+        --reps "${REPS:-5}" --out "$OUT/${GPU}_sweep.json" 2>&1 | grep -v '^{' | tail -30 ;;
     calls)
       timeout "${CALLS_TIMEOUT:-150}" python3 -P benchmarks/bench_logp.py --suites ${CALLS_SUITES:-rollout overhead tp} \
-        ${CALLS_ARGS:-} --out "$OUT/h200_calls.json" 2>&1 | grep -v '^{' | tail -40 ;;
+        ${CALLS_ARGS:-} --out "$OUT/${GPU}_calls.json" 2>&1 | grep -v '^{' | tail -40 ;;
     bench)
       timeout "${BENCH_TIMEOUT:-330}" python3 -P benchmarks/bench_logp.py --suites main \
-        --reps "${REPS:-10}" --out "$OUT/h200_bench.json" 2>&1 | grep -v '^{' | tee "$OUT/bench.txt" | tail -60 ;;
+        --reps "${REPS:-10}" --out "$OUT/${GPU}_bench.json" 2>&1 | grep -v '^{' | tee "$OUT/bench.txt" | tail -60 ;;
     verl)
       timeout "${VERL_TIMEOUT:-480}" python3 -P benchmarks/bench_verl_step.py --suites ${VERL_SUITES:-fsdp compile} \
-        --reps "${REPS:-10}" --out "$OUT/h200_verl_step.json" 2>&1 | quiet | tee "$OUT/verl_step.txt" | tail -30 ;;
+        --reps "${REPS:-10}" --out "$OUT/${GPU}_verl_step.json" 2>&1 | quiet | tee "$OUT/verl_step.txt" | tail -30 ;;
     megatron)
       timeout "${MEGATRON_TIMEOUT:-300}" python3 -P benchmarks/bench_verl_step.py --suites megatron \
-        --reps "${REPS:-10}" --out "$OUT/h200_megatron_step.json" 2>&1 | quiet | tee "$OUT/megatron_step.txt" | tail -30 ;;
+        --reps "${REPS:-10}" --out "$OUT/${GPU}_megatron_step.json" 2>&1 | quiet | tee "$OUT/megatron_step.txt" | tail -30 ;;
     rollout)
       for version in ${ROLLOUT_VERSIONS:-${VLLM_VERSIONS[@]}}; do
         PYTHONPATH="${BASE}:/tmp/vllm-${version}" timeout "${ROLLOUT_TIMEOUT:-240}" python3 -P benchmarks/bench_rollout.py \
-          --reps "${REPS:-20}" ${ROLLOUT_ARGS:-} --out "$OUT/h200_rollout_${version}.json" 2>&1 | quiet | tee "$OUT/rollout_${version}.txt" | tail -42
+          --reps "${REPS:-20}" ${ROLLOUT_ARGS:-} --out "$OUT/${GPU}_rollout_${version}.json" 2>&1 | quiet | tee "$OUT/rollout_${version}.txt" | tail -42
       done ;;
     profile)
       for mode in raw_logprobs processed_logprobs; do
         PYTHONPATH="${BASE}:/tmp/vllm-0.24.0" timeout "${PROFILE_TIMEOUT:-120}" python3 -P benchmarks/profile_rollout_step.py \
-          --path v1_sampler --mode "${mode}" --batch 8 ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/h200_profile_v1_${mode}.txt" | head -30
+          --path v1_sampler --mode "${mode}" --batch 8 ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/${GPU}_profile_v1_${mode}.txt" | head -30
       done ;;
     ncu)
       # Nsight Compute on one call per case (benchmarks/ncu_cases.py), clocks left alone:
@@ -107,7 +111,7 @@ for stage in ${STAGES}; do
         2>&1 | quiet > "$OUT/gpu_linear_tests.txt"
       grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/gpu_linear_tests.txt" | tail -25
       timeout "${LINEAR_TIMEOUT:-240}" python3 -P benchmarks/bench_linear.py --reps "${REPS:-3}" \
-        --out "$OUT/h200_linear.json" 2>&1 | quiet | tee "$OUT/linear.txt" | tail -40 ;;
+        --out "$OUT/${GPU}_linear.json" 2>&1 | quiet | tee "$OUT/linear.txt" | tail -40 ;;
     *) echo "unknown stage ${stage}" ;;
   esac
 done

@@ -1,7 +1,12 @@
 """Where the host time of one vLLM sampler step goes, unpatched and patched: cProfile of `--steps` steps of
 one `bench_rollout` setting on each side, then the functions whose own time per step differs most between
 the sides (patched minus unpatched: what the patch adds or removes), and each side's functions with the
-most time of their own. Each side's host time per step without the profiler (median of 5 rounds) first.
+most time of their own. First each side's host time per step without the profiler, medians over alternating
+rounds (each step issued after the previous one finished, as `bench_rollout` times it, and back to back), for
+three sides: unpatched, patched, and patched with rl-logp's scoring calls (`full_logprobs`,
+`column_logprobs`) answered by torch's log_softmax instead (the rest of the patch alone: what the
+adapter's wrappers cost beside the call); then the scoring call alone, rl-logp's against vLLM's
+`log_softmax(dim=-1, dtype=float32)`, on the step's logits.
 
     PYTHONPATH=/tmp/vllm-0.24.0 python benchmarks/profile_rollout_step.py --path v1_sampler --batch 8
 
@@ -12,12 +17,15 @@ TRITON_INTERPRET=1 with `--backend fused`; keep `--vocab` small there).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import functools
 import os
 import pstats
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -25,25 +33,78 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 from bench_rollout import Setting, Step, adapter
 
+import rl_logp
+
+SIDES = ("unpatched", "patched", "patched, torch scores")
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
-def host_us(step: Step, rounds: int, per_round: int, device: torch.device) -> float:
-    """Median over rounds of the host time per step (steps issued without waiting)."""
-    for _ in range(10):
-        step()
-    times = []
-    for _ in range(rounds):
+def _torch_scores(logits: torch.Tensor, columns: torch.Tensor | None = None, **_: object) -> torch.Tensor:
+    """What vLLM computes where the patch calls rl-logp: log_softmax in fp32 (and its columns)."""
+    scores = logits.log_softmax(dim=-1, dtype=torch.float32)
+    return scores if columns is None else scores.gather(-1, columns.long())
+
+
+@contextlib.contextmanager
+def side_scope(side: str, backend: str) -> Iterator[None]:
+    """"unpatched", "patched", or "patched, torch scores" (rl-logp's scoring calls answered by torch)."""
+    if side == "unpatched":
+        yield
+        return
+    with adapter.patched(backend=backend), contextlib.ExitStack() as stack:
+        if side != "patched":
+            for name in ("full_logprobs", "column_logprobs"):
+                stack.enter_context(_swapped(rl_logp, name, _torch_scores))
+        yield
+
+
+@contextlib.contextmanager
+def _swapped(owner: object, name: str, value: object) -> Iterator[None]:
+    kept = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, kept)
+
+
+def host_samples(call, per_round: int, device: torch.device) -> tuple[list[float], float]:
+    """(host us of each of `per_round` calls, each issued after the previous finished; host us per call of
+    `per_round` calls back to back)."""
+    each = []
+    for _ in range(per_round):
         _sync(device)
         t0 = time.perf_counter()
-        for _ in range(per_round):
-            step()
-        times.append((time.perf_counter() - t0) / per_round * 1e6)
-        _sync(device)
-    return statistics.median(times)
+        call()
+        each.append((time.perf_counter() - t0) * 1e6)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(per_round):
+        call()
+    back_to_back = (time.perf_counter() - t0) / per_round * 1e6
+    _sync(device)
+    return each, back_to_back
+
+
+def interleaved_host_us(calls: dict[str, tuple], rounds: int, per_round: int,
+                        device: torch.device) -> dict[str, tuple[float, float]]:
+    """Per side (name: (call, scope)): (median host us of a call issued after the previous finished, median
+    over rounds of the host us per call back to back), the sides alternating round by round."""
+    each: dict[str, list[float]] = {name: [] for name in calls}
+    back: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, (call, scope) in calls.items():
+            with scope():
+                for _ in range(5):
+                    call()
+                samples, per_call = host_samples(call, per_round, device)
+            each[name] += samples
+            back[name].append(per_call)
+    return {name: (statistics.median(each[name]), statistics.median(back[name])) for name in calls}
 
 
 def own_times(step: Step, steps: int, device: torch.device) -> dict[tuple, float]:
@@ -77,20 +138,30 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=6, help="alternating rounds of the host timings")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--backend", default="auto", help="rl-logp backend of the patch")
     args = parser.parse_args()
     setting = Setting(args.path, args.mode, args.num_logprobs, args.dtype, args.temperature)
     device = torch.device(args.device)
     print(f"== {setting.name} B={args.batch} V={args.vocab} on {device}")
-    unpatched = Step(setting, args.batch, args.vocab, device, args.backend)
-    times = {"unpatched": host_us(unpatched, 5, max(1, args.steps // 5), device)}
+    steps = {}
+    for side in SIDES:  # each built in its scope: V1's TopKTopPSampler binds its forward when built
+        with side_scope(side, args.backend):
+            steps[side] = Step(setting, args.batch, args.vocab, device, args.backend)
+    logits = steps["unpatched"].pristine
+    calls = {side: (steps[side], functools.partial(side_scope, side, args.backend)) for side in SIDES}
+    calls |= {"rl_logp.full_logprobs alone": (lambda: rl_logp.full_logprobs(logits), contextlib.nullcontext),
+              "torch log_softmax alone": (lambda: _torch_scores(logits), contextlib.nullcontext)}
+    times = interleaved_host_us(calls, args.rounds, max(1, args.steps // args.rounds), device)
+    print(f"host us per call without the profiler, medians over {args.rounds} alternating rounds: each call "
+          "issued after the previous finished / back to back")
+    for name, (each, back_to_back) in times.items():
+        print(f"  {name:32s} {each:8.1f} {back_to_back:8.1f}")
+    unpatched = steps["unpatched"]
     base = own_times(unpatched, args.steps, device)
-    with adapter.patched(backend=args.backend):  # built and run inside: V1's TopKTopPSampler binds its forward
-        patched = Step(setting, args.batch, args.vocab, device, args.backend)
-        times["patched"] = host_us(patched, 5, max(1, args.steps // 5), device)
-        profile = own_times(patched, args.steps, device)
-    print("host us per step without the profiler: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+    with side_scope("patched", args.backend):
+        profile = own_times(steps["patched"], args.steps, device)
     delta = {func: profile.get(func, 0.0) - base.get(func, 0.0) for func in set(profile) | set(base)}
     print(f"\n== own time per step under cProfile, patched minus unpatched (us), largest {args.top} changes")
     for func in sorted(delta, key=lambda f: -abs(delta[f]))[: args.top]:

@@ -72,10 +72,14 @@ def test_bench_rollout_says_which_paths_the_latest_vllm_lacks(tmp_path):
 def test_bench_rollout_driver_side_smoke(tmp_path):
     """--driver times a third side in the same rounds, the patched step with the plans launched through the
     driver (on the CPU the interpreter's launch: the scopes, rows and checks are what is exercised): a
-    '<setting> [driver]' row per setting and batch, compared to the unpatched one, its outputs rl-logp's."""
+    '<setting> [driver]' row per setting and batch, compared to the unpatched one, its outputs rl-logp's.
+    --match keeps the settings whose name it finds (here the V1 ones without top logprobs, and the kept
+    set's)."""
     report, stdout = _smoke("bench_rollout.py", tmp_path / "rollout.json", "--driver", "--paths", "v1_sampler",
-                            "kept_set", "--dtypes", "bfloat16")
+                            "kept_set", "--dtypes", "bfloat16", "--match", "n=0 |fp32")
     rows = report["rows"]
+    assert {r["path"] for r in rows} == {"v1_sampler", "kept_set"}
+    assert {r["num_logprobs"] for r in rows if r["path"] == "v1_sampler"} == {0}
     base = {(r["setting"], r["batch"]) for r in rows if not r["patched"]}
     driver = [r for r in rows if r.get("driver")]
     assert {(r["compared_to"], r["batch"]) for r in driver} == base
@@ -176,6 +180,39 @@ def test_bench_linear_smoke(tmp_path):
     assert any(r["logp_max_abs_diff_vs_rl_logp"] > 0 for r in rows
                if r["provider"].startswith("verl") and r["temperature"] == 0.7)
     assert "report written" in stdout
+
+
+def test_profile_rollout_step_isolates_the_scoring_call():
+    """The host profile of a V1 step times its three sides and the two scoring calls alone, and its third
+    side is the patched step with rl-logp's scoring calls answered by torch's log_softmax: inside it the
+    adapter is applied and `rl_logp.full_logprobs` / `column_logprobs` give log_softmax's values, and
+    leaving it restores both functions and removes the patch."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_rollout_step.py"), "--device", "cpu",
+                          "--vocab", "1031", "--batch", "4", "--steps", "6", "--rounds", "2", "--top", "3"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    timed = re.findall(r"^  (.+?) +(\d+\.\d) +(\d+\.\d)$", run.stdout, re.M)
+    assert [name for name, *_ in timed] == ["unpatched", "patched", "patched, torch scores",
+                                            "rl_logp.full_logprobs alone", "torch log_softmax alone"], run.stdout
+    assert all(float(a) > 0 and float(b) > 0 for _, a, b in timed)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import profile_rollout_step as profile
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    import rl_logp
+    from rl_logp.integrations import vllm as adapter
+
+    full, columns = rl_logp.full_logprobs, rl_logp.column_logprobs
+    x = torch.randn(3, 1031)
+    ids = torch.tensor([[0, 5], [7, 1030], [2, 2]])
+    with profile.side_scope("patched, torch scores", "auto"):
+        assert adapter.active_patches()
+        assert torch.equal(rl_logp.full_logprobs(x), x.log_softmax(dim=-1))
+        assert torch.equal(rl_logp.column_logprobs(x, ids), x.log_softmax(dim=-1).gather(-1, ids))
+    assert rl_logp.full_logprobs is full and rl_logp.column_logprobs is columns and not adapter.active_patches()
+    with profile.side_scope("patched", "auto"):
+        assert rl_logp.full_logprobs is full and adapter.active_patches()
 
 
 def test_ncu_cases_smoke():
