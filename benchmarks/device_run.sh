@@ -53,13 +53,14 @@ for stage in ${STAGES}; do
     tests)
       # Groups of files separated by ';', each in a pytest process of its own (TEST_TIMEOUT each), so that a
       # kernel fault in one (a poisoned CUDA context) cannot fail the others: the driver launches first,
-      # the cluster forward last.
+      # the cluster forward last. At the limit pytest gets SIGINT, so it still lists what passed, failed and
+      # was skipped, and the slowest tests.
       : > "$OUT/gpu_tests.txt"
       IFS=';' read -ra TEST_GROUPS <<< "${TEST_FILES:-tests/test_launcher.py; tests/test_fused_kernel.py tests/test_invariance.py tests/test_compile.py tests/test_tp_agreement.py tests/test_entropy.py tests/test_api_and_config.py tests/test_reference_accuracy.py tests/test_rollout_calls.py tests/test_temperature_kernel.py; tests/test_cluster_forward.py}"
       for group in "${TEST_GROUPS[@]}"; do
         # shellcheck disable=SC2086
-        timeout "${TEST_TIMEOUT:-240}" python3 -P -m pytest -q ${group} -k "${TEST_FILTER:-not cpu and not world}" \
-          -p no:cacheprovider -rA -v 2>&1 | quiet >> "$OUT/gpu_tests.txt"
+        timeout -s INT -k 30 "${TEST_TIMEOUT:-240}" python3 -P -m pytest -q ${group} -k "${TEST_FILTER:-not cpu and not world}" \
+          -p no:cacheprovider -rA -v --durations=15 2>&1 | quiet >> "$OUT/gpu_tests.txt"
       done
       grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/gpu_tests.txt" | tail -25 ;;
     sweep)
@@ -89,13 +90,17 @@ for stage in ${STAGES}; do
       done ;;
     ncu)
       # Nsight Compute on one call per case (benchmarks/ncu_cases.py), clocks left alone:
-      # speed of light, occupancy, warp stalls, memory; a report per case and its details as text.
+      # speed of light, occupancy, warp stalls, memory, per-instruction counts; a report per case, its
+      # details as text and its SASS with each instruction's counts as CSV.
       for case in ${NCU_CASES:-t1 t07 t1_entropy}; do
         timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none --nvtx --nvtx-include measure/ \
           --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-          --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats -f -o "$OUT/ncu_${case}" \
+          --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats \
+          --section SourceCounters -f -o "$OUT/ncu_${case}" \
           python3 -P benchmarks/ncu_cases.py --case "${case}" ${NCU_ARGS:-} 2>&1 | tail -3
         ncu --import "$OUT/ncu_${case}.ncu-rep" --page details > "$OUT/ncu_${case}.txt" 2>&1
+        # Each SASS instruction's executed count and stalls (SourceCounters), to find where the issue slots go.
+        ncu --import "$OUT/ncu_${case}.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_${case}_sass.csv" 2>&1
         grep -E "grad_kernel|row_stats_kernel|cluster_row_stats|kept_set|Duration|Registers Per|Achieved Occupancy|Memory Throughput|DRAM Throughput|Compute \(SM\)" \
           "$OUT/ncu_${case}.txt" | head -24
       done ;;

@@ -6,7 +6,9 @@ rounds (each step issued after the previous one finished, as `bench_rollout` tim
 three sides: unpatched, patched, and patched with rl-logp's scoring calls (`full_logprobs`,
 `column_logprobs`) answered by torch's log_softmax instead (the rest of the patch alone: what the
 adapter's wrappers cost beside the call); then the scoring call alone, rl-logp's against vLLM's
-`log_softmax(dim=-1, dtype=float32)`, on the step's logits.
+`log_softmax(dim=-1, dtype=float32)`, on the step's logits. Then each torch op's own host time per step
+under torch.profiler, patched minus unpatched (do vLLM's own ops cost more in the patched step?), and the
+cProfile of both sides.
 
     PYTHONPATH=/tmp/vllm-0.24.0 python benchmarks/profile_rollout_step.py --path v1_sampler --batch 8
 
@@ -122,6 +124,27 @@ def own_times(step: Step, steps: int, device: torch.device) -> dict[tuple, float
     return {func: row[2] / steps * 1e6 for func, row in stats.items()}
 
 
+def op_times(step: Step, steps: int, device: torch.device) -> dict[str, float]:
+    """Each torch op's own host time per step (us) under torch.profiler (CPU activity: the ops' own time,
+    not the Python around them)."""
+    for _ in range(5):
+        step()
+    _sync(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    return {event.key: event.self_cpu_time_total / steps for event in prof.key_averages()}
+
+
+def _print_changes(title: str, base: dict, profile: dict, top: int, name=str) -> None:
+    delta = {key: profile.get(key, 0.0) - base.get(key, 0.0) for key in set(profile) | set(base)}
+    print(f"\n== {title}: unpatched total {sum(base.values()):.1f} us per step, patched {sum(profile.values()):.1f}; "
+          f"patched minus unpatched (us), largest {top} changes")
+    for key in sorted(delta, key=lambda k: -abs(delta[k]))[:top]:
+        print(f"{delta[key]:+9.2f}  {name(key)}")
+
+
 def _name(func: tuple) -> str:
     file, line, name = func
     return f"{name} ({os.path.basename(file)}:{line})" if line else name
@@ -158,14 +181,15 @@ def main() -> None:
           "issued after the previous finished / back to back")
     for name, (each, back_to_back) in times.items():
         print(f"  {name:32s} {each:8.1f} {back_to_back:8.1f}")
-    unpatched = steps["unpatched"]
-    base = own_times(unpatched, args.steps, device)
+    base_ops = op_times(steps["unpatched"], args.steps, device)
+    with side_scope("patched", args.backend):
+        patched_ops = op_times(steps["patched"], args.steps, device)
+    _print_changes("each torch op's own host time per step under torch.profiler (what vLLM's ops cost in "
+                   "each step, rl-logp's launch not among them)", base_ops, patched_ops, args.top)
+    base = own_times(steps["unpatched"], args.steps, device)
     with side_scope("patched", args.backend):
         profile = own_times(steps["patched"], args.steps, device)
-    delta = {func: profile.get(func, 0.0) - base.get(func, 0.0) for func in set(profile) | set(base)}
-    print(f"\n== own time per step under cProfile, patched minus unpatched (us), largest {args.top} changes")
-    for func in sorted(delta, key=lambda f: -abs(delta[f]))[: args.top]:
-        print(f"{delta[func]:+9.2f}  {_name(func)}")
+    _print_changes("own time per step under cProfile", base, profile, args.top, _name)
     for name, own in (("unpatched", base), ("patched", profile)):
         print(f"\n== {name}: total {sum(own.values()):.1f} us per step under cProfile; largest own times")
         for func in sorted(own, key=lambda f: -own[f])[: args.top]:
