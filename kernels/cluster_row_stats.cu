@@ -6,8 +6,9 @@
 // 5 programs per SM the second read mostly misses L2. Here each block copies its slice into shared
 // memory once (bulk asynchronous copies), scans it for the max, pushes its max into every block of
 // the cluster (distributed shared memory), and after a cluster barrier sums the fixed-point terms of
-// its slice from shared memory; the blocks push their sums into every block, each finishes the row (the
-// same integers: the same results), writes its slice's logprobs if asked, and block 0 the row's scalars.
+// its slice from shared memory; the blocks push their sums into every block, and each thread that writes
+// finishes the row (the same integers: the same results): with `out_full` every thread, writing its
+// slice's logprobs; block 0's first threads the labels' logp, and its thread 0 the row's scalars.
 //
 // Same operations as the Triton kernels, so the same bits: libdevice's expf (what `exact_exp` calls),
 // the max in the logits' own type (exact, NaN-propagating), z = x / T the IEEE quotient (div_rn, the
@@ -378,8 +379,12 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
   }
   cluster_arrive();
   cluster_wait();
+  // Past this barrier no block touches another's shared memory: a thread that writes nothing of the row
+  // leaves (with `out_full` every thread writes its logprobs; else block 0's thread 0 writes the row's
+  // scalars and its first n_picks threads the labels' logp).
+  if (!out_full && (rank != 0 || (threadIdx.x != 0 && (!out_logp || (int)threadIdx.x >= n_picks)))) return;
 
-  // `finalize_row`, in the same operations (in every thread: the same integers, the same results).
+  // `finalize_row`, in the same operations (in every thread that writes: the same integers, the same results).
   i64 fixed = 0, entropy_fixed = 0;
   for (int r = 0; r < CLUSTER; ++r) {
     fixed += sh.peer_s[r];

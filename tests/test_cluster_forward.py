@@ -226,7 +226,7 @@ def _check_emulated(tmp_path_factory, dtype, temperatures, entropy, threads, clu
         picks = torch.cat([labels[:, None], random_labels(n * 4, vocab, "cpu", seed=2).view(n, 4)], dim=1)
         picks[:, 1] = -100
         for t in temperatures:
-            for ids, full in ((labels, False), (picks, True)):
+            for ids, full in ((labels, False), (picks, False), (picks, True)):
                 req = engine_request(x, ids, t, engine="chunked", entropy=True)
                 req.normalizer, req.full = True, full
                 s = engine.row_stats(req)
@@ -244,8 +244,8 @@ def test_cluster_kernel_run_on_the_cpu_gives_the_contracts_bits(tmp_path_factory
     """The kernel's own source, built for the CPU with its threads as CPU threads (the barriers, shuffles
     and pushes into a peer's shared memory emulated; `expf` the contract's CPU exponential), against the
     contract's CPU path (the chunked engine), bit for bit in every output: rows with M = 0, all -inf,
-    mostly -inf, NaN, +inf and huge magnitudes, labels outside the vocabulary, one label per row and five
-    with every column, temperatures inside and outside the reciprocal's range, vocabularies that leave
+    mostly -inf, NaN, +inf and huge magnitudes, labels outside the vocabulary, one label per row, five
+    (a rollout's columns), and five with every column, temperatures inside and outside the reciprocal's range, vocabularies that leave
     blocks of the cluster without columns, and the launch's own slices at a model's vocabulary."""
     _check_emulated(tmp_path_factory, dtype, (0.7, 1.3, 2.0**-11, 0.1) if temperature else (None,), entropy, threads,
                     cluster)
@@ -293,7 +293,7 @@ def test_cluster_forward_gives_the_triton_bits(dtype, vocab):
     picks = torch.cat([labels[:, None], random_labels(n * 4, vocab, "cuda", seed=1).view(n, 4)], dim=1)
     picks[:, 1] = -100
     for temperature in (None, 0.7, 1.3, 2.0**-11, 0.1):
-        for ids, full in ((labels, False), (picks, True)):  # one label per row; five, and every column
+        for ids, full in ((labels, False), (picks, False), (picks, True)):  # one label a row; five; with every column
             want = _stats(x, ids, temperature, 0, full)
             for cfg in ({}, {"cluster_threads": 512}, {"cluster_slice_bytes": 49152}):
                 got = _stats(x, ids, temperature, 1, full, **cfg)
