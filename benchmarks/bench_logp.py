@@ -287,8 +287,10 @@ def sweep_variants(smoke: bool) -> list[dict]:
         return [{}, {"chunk": 512, "lane": 8}]
     # The default takes the cluster forward at these rows (one HBM read per row: 4 blocks of 76 KB per bf16
     # row of 151936); beside it its other shapes and the Triton forward (`cluster_rows` 0), with one Triton
-    # program per SM (132 rows in flight, 39 MB: does the second pass then come from L2?).
-    forward = [{}, {"cluster_threads": 512}, {"cluster_slice_bytes": 49152}, {"cluster_rows": 0},
+    # program per SM (132 rows in flight, 39 MB: does the second pass then come from L2?); the copy wait
+    # suspended up to 10 ms a test instead of polling.
+    forward = [{}, {"cluster_wait_ns": 10_000_000}, {"cluster_threads": 512}, {"cluster_slice_bytes": 49152},
+               {"cluster_rows": 0},
                {"cluster_rows": 0, "programs_per_sm": 1, "warps": 32, "chunk": 16384}]
     backward = [{"grad_block": 8192, "grad_warps": 8}, {"grad_block": 2048, "grad_warps": 4}]
     return forward + backward

@@ -21,7 +21,8 @@ import statistics
 import torch
 
 import rl_logp
-from rl_logp.kernels import cluster_launch, cuda_source, launch
+from rl_logp.engines.fused import config_from_environment
+from rl_logp.kernels import cluster_launch, cuda_source
 
 PREFERRED_CARVEOUT = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
 CASES = {  # name: (temperature, entropy)
@@ -36,11 +37,13 @@ class _Shape(ctypes.Structure):  # CUlaunchConfig
 
 
 def _function(x: torch.Tensor, temperature: float | None, entropy: bool) -> tuple[cuda_source.Function, int, int]:
-    """The loaded variant a call on `x` launches, its grid per row and its dynamic shared bytes."""
-    cfg = launch.LaunchConfig()
+    """The loaded variant a call on `x` launches (RL_LOGP_FUSED_CONFIG's launch parameters, as the public API
+    takes them), its blocks per row and its dynamic shared bytes."""
+    cfg = config_from_environment()
     cluster, width = cluster_launch.cluster_width(x.shape[1], x.element_size(), cfg.cluster_slice_bytes)
     fn = cluster_launch._function(x.device.index, cluster_launch.ELEMENT_CODES[x.dtype], cluster, entropy,
-                                  temperature is not None, cfg.cluster_threads, cfg.cluster_slice_bytes)
+                                  temperature is not None, cfg.cluster_threads, cfg.cluster_slice_bytes,
+                                  cfg.cluster_wait_ns)
     return fn, cluster, width * x.element_size()
 
 
@@ -77,7 +80,7 @@ def main() -> None:
     cuda.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
                                                   ctypes.POINTER(_Shape)]
     torch.manual_seed(0)
-    threads = launch.LaunchConfig().cluster_threads
+    threads = config_from_environment().cluster_threads
     rows_out = []
     print(f"{'rows':>6} {'case':12} {'carveout':>8} {'blocks/SM':>9} {'clusters':>8} {'median ms':>10} {'min ms':>8}")
     for n in args.rows:

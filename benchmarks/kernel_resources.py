@@ -302,7 +302,7 @@ def cluster_report(vocab: int, dtype: torch.dtype, cfg: launch.LaunchConfig, sho
             continue
         options = cluster_launch.variant_options(cluster_launch.ELEMENT_CODES[dtype], cluster, variant.entropy,
                                                  variant.temp_mode != fixed_point.TEMP_NONE.value, cfg.cluster_threads,
-                                                 cfg.cluster_slice_bytes)
+                                                 cfg.cluster_slice_bytes, cfg.cluster_wait_ns)
         kernel = types.SimpleNamespace(asm={"cubin": cuda_source.compile_cubin(
             cluster_launch.SOURCE.read_text(), cluster_launch.KERNEL, "sm_90", options)})
         regs, local = registers(kernel)

@@ -75,19 +75,21 @@ def applies(x: torch.Tensor, labels: torch.Tensor | None, per_row_temperature: b
 
 
 def variant_options(element: int, cluster: int, entropy: bool, temperature: bool, threads: int,
-                    slice_bytes: int) -> list[str]:
-    """NVRTC's options for one variant of the kernel (its parameters are macros; no fp contraction)."""
+                    slice_bytes: int, wait_ns: int = 0) -> list[str]:
+    """NVRTC's options for one variant of the kernel (its parameters are macros; no fp contraction);
+    `wait_ns`: the copy wait's suspend-time hint (0: none)."""
     return ["-fmad=false", f"-DELEM={element}", f"-DCLUSTER={cluster}", f"-DTHREADS={threads}",
-            f"-DMIN_BLOCKS={blocks_per_sm(slice_bytes)}", f"-DENTROPY={int(entropy)}", f"-DTEMP={int(temperature)}"]
+            f"-DMIN_BLOCKS={blocks_per_sm(slice_bytes)}", f"-DENTROPY={int(entropy)}", f"-DTEMP={int(temperature)}",
+            f"-DWAIT_NS={wait_ns}u"]
 
 
 @functools.lru_cache(maxsize=64)
 def _function(device_index: int, element: int, cluster: int, entropy: bool, temperature: bool, threads: int,
-              slice_bytes: int) -> cuda_source.Function:
+              slice_bytes: int, wait_ns: int = 0) -> cuda_source.Function:
     """One variant, compiled for the device's compute capability and loaded on it."""
     major, minor = torch.cuda.get_device_capability(device_index)
-    cubin = cuda_source.compile_cubin(SOURCE.read_text(), KERNEL, f"sm_{major}{minor}",
-                                      variant_options(element, cluster, entropy, temperature, threads, slice_bytes))
+    cubin = cuda_source.compile_cubin(SOURCE.read_text(), KERNEL, f"sm_{major}{minor}", variant_options(
+        element, cluster, entropy, temperature, threads, slice_bytes, wait_ns))
     return cuda_source.Function(cubin, KERNEL, slice_bytes, device_index)
 
 
@@ -108,13 +110,13 @@ class ClusterLaunch:
 
     def __init__(self, x: torch.Tensor, labels: torch.Tensor | None, t_scalar: float | None, entropy: bool,
                  outs: tuple[torch.Tensor | None, ...], out_full: torch.Tensor | None, threads: int,
-                 slice_bytes: int) -> None:
+                 slice_bytes: int, wait_ns: int) -> None:
         n, vocab = x.shape
         size = x.element_size()
         cluster, width = cluster_width(vocab, size, slice_bytes)
         self.device, self.threads, self.grid, self.shared = x.device.index, threads, n * cluster, width * size
         self.function = _function(self.device, ELEMENT_CODES[x.dtype], cluster, entropy, t_scalar is not None, threads,
-                                  slice_bytes)
+                                  slice_bytes, wait_ns)
         out_max, out_log_sum, out_lse, out_logp, out_ent = outs
         picks = 1 if labels is None or labels.dim() == 1 else labels.shape[1]
         self.args = [_pointer(x), ctypes.c_int64(x.stride(0) * size), _pointer(labels), ctypes.c_int32(picks),
@@ -141,9 +143,10 @@ class ClusterLaunch:
 
 def row_stats_cluster(x: torch.Tensor, labels: torch.Tensor | None, t_scalar: float | None, entropy: bool,
                       outs: tuple[torch.Tensor | None, ...], out_full: torch.Tensor | None, threads: int,
-                      slice_bytes: int) -> None:
+                      slice_bytes: int, wait_ns: int) -> None:
     """`launch.row_stats` of a call `applies` accepts (with the same `slice_bytes`): each given output of
     `outs` (M, L, lse, logp, entropy: fp32 [n], logp [n, K] for labels [n, K]) and `out_full` written;
-    `t_scalar` None: no temperature; `threads` per block. The caller makes x's device current."""
-    call = ClusterLaunch(x, labels, t_scalar, entropy, outs, out_full, threads, slice_bytes)
+    `t_scalar` None: no temperature; `threads` per block; `wait_ns` the copy wait's suspend-time hint (0:
+    none). The caller makes x's device current."""
+    call = ClusterLaunch(x, labels, t_scalar, entropy, outs, out_full, threads, slice_bytes, wait_ns)
     call.run(cuda_source.parameters(call.args))

@@ -18,7 +18,8 @@
 // (`split_terms`, `lane_total`), and `finalize_row`'s finish in fp64. Compiled by NVRTC with
 // -fmad=false (no contraction the Triton kernels, compiled without fp fusion, lack); parameters:
 //   ELEM: 0 bf16, 1 fp16, 2 fp32; CLUSTER: blocks per row; THREADS: threads per block;
-//   MIN_BLOCKS: blocks per SM to fit in registers; ENTROPY: 0/1; TEMP: 0 none, 1 one float T for every row.
+//   MIN_BLOCKS: blocks per SM to fit in registers; ENTROPY: 0/1; TEMP: 0 none, 1 one float T for every row;
+//   WAIT_NS: the copy wait's suspend-time hint in ns (0: the hardware's own limit).
 // The host (`cluster_launch.py`) checks what the copies and the vector stores need: 16-byte aligned rows
 // of logits and of `out_full`, a row's bytes and a slice's a multiple of 16.
 
@@ -107,14 +108,38 @@ __device__ __forceinline__ void start_slice_copy(unsigned char* slice, const uns
   }
 }
 
-// Every thread waits for the copy to land; one that never lands traps (a launch error) after about 2^30
-// polls instead of hanging the GPU.
+// Whether the copy counted on the mbarrier at `bar` has landed (its phase 0 complete). A thread may be
+// suspended in the test until it lands or a time limit passes: the hardware's own, or with WAIT_NS > 0
+// that many nanoseconds (a suspended warp issues nothing; a polling one issues five instructions a poll).
+__device__ __forceinline__ u32 copy_landed(u32 bar) {
+  u32 done;
+#if WAIT_NS
+  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0, %2; selp.u32 %0, 1, 0, p; }"
+               : "=r"(done) : "r"(bar), "n"(WAIT_NS) : "memory");
+#else
+  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+               : "=r"(done) : "r"(bar) : "memory");
+#endif
+  return done;
+}
+
+__device__ __forceinline__ u64 global_ns() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Every thread waits for the copy to land; one that never lands traps (a launch error) after about 8.6 s
+// (2^33 ns of the GPU's global timer, read after every 256 polls) instead of hanging the GPU.
 __device__ __forceinline__ void wait_slice_copy(u64* full) {
-  u32 done = 0;
-  for (u32 polls = 0; !done; ++polls) {
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(smem_addr(full)) : "memory");
-    if (polls == (1u << 30)) asm volatile("trap;");
+  const u32 bar = smem_addr(full);
+  const u64 start = global_ns();
+  for (;;) {
+#pragma unroll 1
+    for (u32 polls = 0; polls < 256; ++polls) {
+      if (copy_landed(bar)) return;
+    }
+    if (global_ns() - start > (1ull << 33)) asm volatile("trap;");
   }
 }
 

@@ -70,7 +70,8 @@ class LaunchConfig:
     does not apply to takes the Triton kernels, the same bits; 256: on an H100 it was faster from 256
     rows on, and the Triton kernel took less GPU time at 1-64, `h100_calls_rollout*.json`);
     cluster_threads, cluster_slice_bytes: its threads per block and the most bytes of a row one block
-    holds; driver: the rollout plans' launches (`bind_row_stats`, and the kept set's `bind_kept_set`
+    holds; cluster_wait_ns: the suspend-time hint of its blocks' wait for their slice (0: none, the
+    hardware's own limit between polls; at most 2^32 - 1); driver: the rollout plans' launches (`bind_row_stats`, and the kept set's `bind_kept_set`
     through `rl_logp.sampling_mask`) go through the CUDA driver itself where the kernel's parameters are
     known (`launcher.DriverLaunch`; off: on an H100 the launch alone was faster but vLLM's steps were not,
     `h100_rollout_vllm_0.24.0_driver.json`).
@@ -94,6 +95,12 @@ class LaunchConfig:
     cluster_rows: int = 256
     cluster_threads: int = 256
     cluster_slice_bytes: int = 98304
+    cluster_wait_ns: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.cluster_wait_ns < 1 << 32:
+            raise ValueError(f"rl_logp: LaunchConfig.cluster_wait_ns={self.cluster_wait_ns} must be in [0, 2^32) "
+                             "(nanoseconds, a 32-bit hint; 0: none)")
     driver: bool = False
 
 
@@ -220,7 +227,8 @@ def row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, temp
     if _takes_cluster(x, labels, temp_mode, bits, out_full, cfg):
         with on_device(x):
             cluster_launch.row_stats_cluster(x, labels, None if temp_mode == TEMP_NONE.value else t_scalar, entropy,
-                                             outs, out_full, cfg.cluster_threads, cfg.cluster_slice_bytes)
+                                             outs, out_full, cfg.cluster_threads, cfg.cluster_slice_bytes,
+                                             cfg.cluster_wait_ns)
         return
     ranges, span = 1, 0
     if x.shape[0] <= cfg.split_rows and (cfg.split_eager or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
@@ -258,7 +266,7 @@ def bind_row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int,
         with on_device(x):
             return cluster_launch.ClusterLaunch(x, labels, None if temp_mode == TEMP_NONE.value else t_scalar, False,
                                                 (None, None, None, out_logp, None), out_full, cfg.cluster_threads,
-                                                cfg.cluster_slice_bytes)
+                                                cfg.cluster_slice_bytes, cfg.cluster_wait_ns)
     if cfg.two_pass or (cfg.split_eager and split_ranges(n, vocab, x.device.index if x.is_cuda else None, cfg)[0] > 1):
         return None
     grid, args, options = forward_launch(x, labels, temp_mode, None, t_scalar, None, (None, None, None, out_logp, None),

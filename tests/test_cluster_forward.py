@@ -45,17 +45,18 @@ def test_cluster_slices_cover_the_row_in_whole_vectors(element_size):
 
 def test_cluster_kernel_compiles_for_sm90_without_spills():
     """Every variant compiles with NVRTC for sm_90, in the registers its blocks per SM allow, without local
-    memory (register spills)."""
+    memory (register spills), the copy wait with and without a suspend-time hint."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     source = cluster_launch.SOURCE.read_text()
-    for threads, slice_bytes in ((256, 98304), (512, 98304), (256, 49152)):
+    for threads, slice_bytes, wait_ns in ((256, 98304, 0), (512, 98304, 0), (256, 49152, 0), (256, 98304, 10**7)):
         limit = 65536 // (threads * cluster_launch.blocks_per_sm(slice_bytes))
         for element in cluster_launch.ELEMENT_CODES.values():
             for entropy in (False, True):
                 for temperature in (False, True):
-                    options = cluster_launch.variant_options(element, 4, entropy, temperature, threads, slice_bytes)
+                    options = cluster_launch.variant_options(element, 4, entropy, temperature, threads, slice_bytes,
+                                                             wait_ns)
                     cubin = cuda_source.compile_cubin(source, cluster_launch.KERNEL, "sm_90", options)
                     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                         f.write(cubin)
@@ -64,6 +65,21 @@ def test_cluster_kernel_compiles_for_sm90_without_spills():
                                                check=True).stdout
                     regs, local = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "LOCAL"))
                     assert regs <= limit and local == 0, (options, regs, local)
+
+
+@pytest.mark.parametrize("wait_ns", [-1, 1 << 32])
+def test_a_copy_wait_hint_outside_32_bits_is_refused_by_name(monkeypatch, wait_ns):
+    """The copy wait's suspend-time hint is a 32-bit PTX operand: a value outside [0, 2^32), from code or
+    from RL_LOGP_FUSED_CONFIG, is an error naming the field, not a compile failure at the first launch."""
+    from rl_logp.engines.fused import TUNING_VARIABLE, config_from_environment
+
+    with pytest.raises(ValueError, match=r"cluster_wait_ns=.* must be in \[0, 2\^32\)"):
+        LaunchConfig(cluster_wait_ns=wait_ns)
+    monkeypatch.setenv(TUNING_VARIABLE, f'{{"cluster_wait_ns": {wait_ns}}}')
+    with pytest.raises(ValueError, match="cluster_wait_ns"):
+        config_from_environment()
+    monkeypatch.setenv(TUNING_VARIABLE, '{"cluster_wait_ns": 10000000}')
+    assert config_from_environment().cluster_wait_ns == 10**7
 
 
 def test_a_compile_error_names_the_kernel_and_shows_the_log():
@@ -295,7 +311,7 @@ def test_cluster_forward_gives_the_triton_bits(dtype, vocab):
     for temperature in (None, 0.7, 1.3, 2.0**-11, 0.1):
         for ids, full in ((labels, False), (picks, False), (picks, True)):  # one label a row; five; with every column
             want = _stats(x, ids, temperature, 0, full)
-            for cfg in ({}, {"cluster_threads": 512}, {"cluster_slice_bytes": 49152}):
+            for cfg in ({}, {"cluster_threads": 512}, {"cluster_slice_bytes": 49152}, {"cluster_wait_ns": 10**7}):
                 got = _stats(x, ids, temperature, 1, full, **cfg)
                 for name, a, b in zip(("M", "L", "lse", "logp", "entropy", "full"), got, want, strict=False):
                     assert mismatches(a, b) == 0, (name, temperature, full, cfg)
