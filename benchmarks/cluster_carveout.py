@@ -36,15 +36,16 @@ class _Shape(ctypes.Structure):  # CUlaunchConfig
                 ("attribute_count", ctypes.c_uint)]
 
 
-def _function(x: torch.Tensor, temperature: float | None, entropy: bool) -> tuple[cuda_source.Function, int, int]:
-    """The loaded variant a call on `x` launches (RL_LOGP_FUSED_CONFIG's launch parameters, as the public API
-    takes them), its blocks per row and its dynamic shared bytes."""
+def _launch(x: torch.Tensor, labels: torch.Tensor, temperature: float | None,
+            entropy: bool) -> cluster_launch.ClusterLaunch:
+    """The cluster launch a public API call on `x` makes (RL_LOGP_FUSED_CONFIG's launch parameters, as the
+    API takes them), built over scratch outputs, not launched: its loaded variant, blocks and shared bytes."""
     cfg = config_from_environment()
-    cluster, width = cluster_launch.cluster_width(x.shape[1], x.element_size(), cfg.cluster_slice_bytes)
-    fn = cluster_launch._function(x.device.index, cluster_launch.ELEMENT_CODES[x.dtype], cluster, entropy,
-                                  temperature is not None, cfg.cluster_threads, cfg.cluster_slice_bytes,
-                                  cfg.cluster_wait_ns)
-    return fn, cluster, width * x.element_size()
+    n = x.shape[0]
+    outs = tuple(torch.empty(n, device=x.device) for _ in range(4)) + ((torch.empty(n, device=x.device),)
+                                                                      if entropy else (None,))
+    return cluster_launch.ClusterLaunch(x, labels, temperature, entropy, outs, None, cfg.cluster_threads,
+                                        cfg.cluster_slice_bytes, cfg.cluster_wait_ns)
 
 
 def occupancy(fn: cuda_source.Function, cluster: int, shared: int, threads: int) -> dict:
@@ -80,7 +81,6 @@ def main() -> None:
     cuda.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
                                                   ctypes.POINTER(_Shape)]
     torch.manual_seed(0)
-    threads = config_from_environment().cluster_threads
     rows_out = []
     print(f"{'rows':>6} {'case':12} {'carveout':>8} {'blocks/SM':>9} {'clusters':>8} {'median ms':>10} {'min ms':>8}")
     for n in args.rows:
@@ -96,7 +96,8 @@ def main() -> None:
                     return rl_logp.logprobs(x, labels, temperature=temperature)
 
             reference = call()  # loads the variant; the bits every carveout must give
-            fn, cluster, shared = _function(x, temperature, entropy)
+            launch = _launch(x, labels, temperature, entropy)
+            fn, cluster, shared = launch.function, launch.grid // n, launch.shared
             times = {c: [] for c in args.carveouts}
             inner = 1 if n >= 4096 else 20  # small calls: back to back, the GPU time of each
             for _ in range(args.reps):
@@ -116,7 +117,7 @@ def main() -> None:
             for carveout in args.carveouts:
                 set_carveout(fn, carveout)
                 row = {"rows": n, "vocab": args.vocab, "case": case, "carveout": carveout,
-                       **occupancy(fn, cluster, shared, threads), "median_ms": statistics.median(times[carveout]),
+                       **occupancy(fn, cluster, shared, launch.threads), "median_ms": statistics.median(times[carveout]),
                        "min_ms": min(times[carveout]), "times_ms": times[carveout],
                        "gpu": torch.cuda.get_device_name()}
                 rows_out.append(row)

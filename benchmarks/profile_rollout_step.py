@@ -28,12 +28,14 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
+from unittest import mock
 
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import bench_rollout
 import torch
-from bench_rollout import Setting, Step, adapter
+from bench_rollout import Setting, Step
 
 import rl_logp
 
@@ -53,25 +55,14 @@ def _torch_scores(logits: torch.Tensor, columns: torch.Tensor | None = None, **_
 
 @contextlib.contextmanager
 def side_scope(side: str, backend: str) -> Iterator[None]:
-    """"unpatched", "patched", or "patched, torch scores" (rl-logp's scoring calls answered by torch)."""
-    if side == "unpatched":
-        yield
-        return
-    with adapter.patched(backend=backend), contextlib.ExitStack() as stack:
-        if side != "patched":
+    """"unpatched", "patched" (`bench_rollout.side_scope`'s two sides), or "patched, torch scores" (rl-logp's
+    scoring calls answered by torch)."""
+    with bench_rollout.side_scope(side != "unpatched", argparse.Namespace(backend=backend, driver=False)), \
+            contextlib.ExitStack() as stack:
+        if side == "patched, torch scores":
             for name in ("full_logprobs", "column_logprobs"):
-                stack.enter_context(_swapped(rl_logp, name, _torch_scores))
+                stack.enter_context(mock.patch.object(rl_logp, name, _torch_scores))
         yield
-
-
-@contextlib.contextmanager
-def _swapped(owner: object, name: str, value: object) -> Iterator[None]:
-    kept = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, kept)
 
 
 def host_samples(call, per_round: int, device: torch.device) -> tuple[list[float], float]:

@@ -85,7 +85,7 @@ def variant_options(element: int, cluster: int, entropy: bool, temperature: bool
 
 @functools.lru_cache(maxsize=64)
 def _function(device_index: int, element: int, cluster: int, entropy: bool, temperature: bool, threads: int,
-              slice_bytes: int, wait_ns: int = 0) -> cuda_source.Function:
+              slice_bytes: int, wait_ns: int) -> cuda_source.Function:
     """One variant, compiled for the device's compute capability and loaded on it."""
     major, minor = torch.cuda.get_device_capability(device_index)
     cubin = cuda_source.compile_cubin(SOURCE.read_text(), KERNEL, f"sm_{major}{minor}", variant_options(

@@ -71,8 +71,8 @@ class LaunchConfig:
     rows on, and the Triton kernel took less GPU time at 1-64, `h100_calls_rollout*.json`);
     cluster_threads, cluster_slice_bytes: its threads per block and the most bytes of a row one block
     holds; cluster_wait_ns: the suspend-time hint of its blocks' wait for their slice (0: none, the
-    hardware's own limit between polls; at most 2^32 - 1); driver: the rollout plans' launches (`bind_row_stats`, and the kept set's `bind_kept_set`
-    through `rl_logp.sampling_mask`) go through the CUDA driver itself where the kernel's parameters are
+    hardware's own limit between polls; at most 2^32 - 1); driver: the rollout plans' launches
+    (`bind_row_stats`, and the kept set's `bind_kept_set` through `rl_logp.sampling_mask`) go through the CUDA driver itself where the kernel's parameters are
     known (`launcher.DriverLaunch`; off: on an H100 the launch alone was faster but vLLM's steps were not,
     `h100_rollout_vllm_0.24.0_driver.json`).
     """
@@ -96,12 +96,12 @@ class LaunchConfig:
     cluster_threads: int = 256
     cluster_slice_bytes: int = 98304
     cluster_wait_ns: int = 0
+    driver: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.cluster_wait_ns < 1 << 32:
             raise ValueError(f"rl_logp: LaunchConfig.cluster_wait_ns={self.cluster_wait_ns} must be in [0, 2^32) "
                              "(nanoseconds, a 32-bit hint; 0: none)")
-    driver: bool = False
 
 
 @functools.lru_cache(maxsize=8)
