@@ -4,13 +4,15 @@
 //
 // The Triton forward (`row_stats.py`) reads a row twice, once for its max and once for the sums, and at
 // 5 programs per SM the second read mostly misses L2. Here each block copies its slice into shared
-// memory once (bulk asynchronous copies), scans it for the max, pushes its max into every block of
-// the cluster (distributed shared memory), and after a cluster barrier sums the fixed-point terms of
-// its slice from shared memory; the blocks push their sums into every block, and each thread that writes
+// memory once (bulk asynchronous copies), scans it for the max and pushes it into every block of the
+// cluster (asynchronous stores into distributed shared memory, each counted on the receiver's mbarrier:
+// no cluster barrier, no memory fence); once every block's max has landed it sums the fixed-point terms
+// of its slice from shared memory, the blocks push their sums the same way, and each thread that writes
 // finishes the row (the same integers: the same results): with `out_full` every thread, writing its
 // slice's logprobs; block 0's first threads the labels' logp, and its thread 0 the row's scalars.
 //
-// Same operations as the Triton kernels, so the same bits: libdevice's expf (what `exact_exp` calls),
+// Same operations as the Triton kernels, so the same bits: libdevice's expf (what `exact_exp` calls; its
+// last product folded into the fixed-point split's round-toward-zero adds, which gives the same sums),
 // the max in the logits' own type (exact, NaN-propagating), z = x / T the IEEE quotient (div_rn, the
 // reciprocal and one fma correction where `row_reciprocal`'s range holds, or for 16-bit logits
 // `row_divisor`'s pair where it checks), the terms
@@ -39,6 +41,10 @@ typedef long long i64;
 #define LO_BIAS 7.62939453125e-06f  // 2^(23 - 40)
 #define HI_PATTERN 0x41000000u
 #define LO_PATTERN 0x37000000u
+// The suspend-time hint of the waits for the peers' pushes. A suspended warp still wakes at the SM's other
+// mbarrier events and tests again (on an H100, ~70 tests a warp for the sums of a row, with or without a
+// hint): one warp waits, the others at a block barrier, where they issue nothing.
+#define EXCHANGE_WAIT_NS 10000000u
 
 // The PTX of the kernel, in these helpers only: `tests/cluster_emulation.h` defines them (and CUDA's
 // intrinsics) for a host build that runs the kernel's threads as CPU threads (CLUSTER_HOST_EMULATION).
@@ -72,21 +78,43 @@ __device__ __forceinline__ float half_to_float(u32 bits16) {
   return f;
 }
 
-// Cluster barriers, each thread arriving on its own (not `.aligned`: no warp has to be converged there).
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); }
+// The cluster's one barrier (each thread arriving on its own, not `.aligned`): its peers have started, so
+// their shared memory and mbarriers can be written. The arrival is relaxed: `init_exchanges`' fence
+// releases the mbarriers' initialisation.
 __device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
 
-__device__ __forceinline__ void push_float(const float* local_slot, u32 rank, float v) {
-  u32 remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local_slot)), "r"(rank));
-  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(v) : "memory");
+// Thread 0 readies the block's three mbarriers (each one arrival: its own): `full` for the slice's copy
+// (`start_slice_copy` expects its bytes), `max_full` for the `max_bytes` and `sums_full` for the
+// `sums_bytes` the peers push; the fence makes the initialisation visible to the cluster before its barrier.
+__device__ __forceinline__ void init_exchanges(u64* full, u64* max_full, u32 max_bytes, u64* sums_full,
+                                               u32 sums_bytes) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(full)) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(max_full)) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(sums_full)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(max_full)), "r"(max_bytes)
+               : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(sums_full)),
+               "r"(sums_bytes) : "memory");
 }
 
-__device__ __forceinline__ void push_i64(const i64* local_slot, u32 rank, i64 v) {
+// A shared-memory address of this block mapped into block `rank` of the cluster.
+__device__ __forceinline__ u32 peer_addr(const void* local, u32 rank) {
   u32 remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local_slot)), "r"(rank));
-  asm volatile("st.shared::cluster.s64 [%0], %1;" :: "r"(remote), "l"(v) : "memory");
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local)), "r"(rank));
+  return remote;
+}
+
+// Asynchronous stores into block `rank`'s copy of `local_slot`, their bytes counted on its copy of `bar`.
+__device__ __forceinline__ void push_float(const float* local_slot, const u64* bar, u32 rank, float v) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
+               :: "r"(peer_addr(local_slot, rank)), "f"(v), "r"(peer_addr(bar, rank)) : "memory");
+}
+
+__device__ __forceinline__ void push_pair(const i64* local_slot, const u64* bar, u32 rank, i64 a, i64 b) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.s64 [%0], {%1, %2}, [%3];"
+               :: "r"(peer_addr(local_slot, rank)), "l"(a), "l"(b), "r"(peer_addr(bar, rank)) : "memory");
 }
 
 __device__ __forceinline__ u32 cluster_rank() {
@@ -96,10 +124,8 @@ __device__ __forceinline__ u32 cluster_rank() {
 }
 
 // Thread 0 starts the copy of `bytes` (a multiple of 16, 16-byte aligned at both ends) from `src` into
-// `slice`, its completion counted on the mbarrier `full`.
+// `slice`, its completion counted on the mbarrier `full` (`init_exchanges` readied it).
 __device__ __forceinline__ void start_slice_copy(unsigned char* slice, const unsigned char* src, u32 bytes, u64* full) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(full)) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(full)), "r"(bytes) : "memory");
   for (u32 off = 0; off < bytes; off += COPY_BYTES) {
     u32 n = min(bytes - off, (u32)COPY_BYTES);
@@ -108,18 +134,19 @@ __device__ __forceinline__ void start_slice_copy(unsigned char* slice, const uns
   }
 }
 
-// Whether the copy counted on the mbarrier at `bar` has landed (its phase 0 complete). A thread may be
-// suspended in the test until it lands or a time limit passes: the hardware's own, or with WAIT_NS > 0
+// Whether the bytes counted on the mbarrier at `bar` have landed (its phase 0 complete). A thread may be
+// suspended in the test until they land or a time limit passes: the hardware's own, or with HINT_NS > 0
 // that many nanoseconds (a suspended warp issues nothing; a polling one issues five instructions a poll).
-__device__ __forceinline__ u32 copy_landed(u32 bar) {
+template <u32 HINT_NS>
+__device__ __forceinline__ u32 landed(u32 bar) {
   u32 done;
-#if WAIT_NS
-  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0, %2; selp.u32 %0, 1, 0, p; }"
-               : "=r"(done) : "r"(bar), "n"(WAIT_NS) : "memory");
-#else
-  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-               : "=r"(done) : "r"(bar) : "memory");
-#endif
+  if (HINT_NS) {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0, %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(bar), "n"(HINT_NS) : "memory");
+  } else {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(bar) : "memory");
+  }
   return done;
 }
 
@@ -129,18 +156,31 @@ __device__ __forceinline__ u64 global_ns() {
   return t;
 }
 
-// Every thread waits for the copy to land; one that never lands traps (a launch error) after about 8.6 s
-// (2^33 ns of the GPU's global timer, read after every 256 polls) instead of hanging the GPU.
-__device__ __forceinline__ void wait_slice_copy(u64* full) {
+// Every thread waits for the bytes counted on `full` (the slice's copy, or the peers' pushes) to land,
+// suspended up to HINT_NS a test (`landed`); bytes that never land trap (a launch error) after about 8.6 s
+// (2^33 ns of the GPU's global timer, read after every 256 tests) instead of hanging the GPU.
+template <u32 HINT_NS>
+__device__ __forceinline__ void wait_landed(const u64* full) {
   const u32 bar = smem_addr(full);
   const u64 start = global_ns();
   for (;;) {
 #pragma unroll 1
     for (u32 polls = 0; polls < 256; ++polls) {
-      if (copy_landed(bar)) return;
+      if (landed<HINT_NS>(bar)) return;
     }
     if (global_ns() - start > (1ull << 33)) asm volatile("trap;");
   }
+}
+
+// libdevice's `expf(x)` (its PTX, op for op) as r s: its last product, of the 2^x of the reduced argument r
+// and the power of two s, is left to the caller.
+__device__ __forceinline__ void exp_parts(float x, float& r, float& s) {
+  float t = __saturatef(__fmaf_rn(x, __int_as_float(0x3bbb989d), 0.5f));
+  float j = __fmaf_rd(t, 252.0f, __int_as_float(0x4b400001));
+  float k = __fadd_rn(j, __int_as_float(0xcb40007f));
+  float f = __fmaf_rn(x, __int_as_float(0x32a57060), __fmaf_rn(x, __int_as_float(0x3fb8aa3b), -k));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(f));
+  s = __int_as_float(__float_as_int(j) << 23);
 }
 
 #define BLOCK_SHARED(type, name) __shared__ type name
@@ -204,13 +244,17 @@ template <int DIV>
 __device__ __forceinline__ void add_term(Sums& acc, float x, float t, float inv_t, float inv_lo, float shift) {
   float z = divide<DIV>(x, t, inv_t, inv_lo);
   float nd = shift - z;
-  float e = expf(nd * -1.0f);
-  float hi = __fadd_rz(e, HI_BIAS);
-  float lo = __fadd_rz(e, (HI_BIAS + LO_BIAS) - hi);
+  float r, s;
+  exp_parts(nd * -1.0f, r, s);  // e = expf(-nd) = r s
+  // The halves of trunc(e 2^40): e + c rounded toward zero is fma(r, s, c) rounded toward zero, as r s is
+  // exact wherever e is normal, and below 2^-126 both halves are the bias either way (one instruction
+  // less than e's product and an add).
+  float hi = __fmaf_rz(r, s, HI_BIAS);
+  float lo = __fmaf_rz(r, s, (HI_BIAS + LO_BIAS) - hi);
   acc.s_hi += __float_as_uint(hi);
   acc.s_lo += __float_as_uint(lo);
 #if ENTROPY
-  float u = e * fminf(nd, 200.0f);
+  float u = (r * s) * fminf(nd, 200.0f);
   float uhi = __fadd_rz(u, HI_BIAS);
   float ulo = __fadd_rz(u, (HI_BIAS + LO_BIAS) - uhi);
   acc.e_hi += __float_as_uint(uhi);
@@ -226,6 +270,7 @@ __device__ __forceinline__ i64 total(u32 hi, u32 lo, u32 n_terms) {
 template <int DIV>
 __device__ __forceinline__ Sums slice_sums(const uint4* v, int n_vec, float t, float inv_t, float inv_lo, float shift) {
   Sums acc = {0u, 0u, 0u, 0u};
+#pragma unroll 2
   for (int i = threadIdx.x; i < n_vec; i += THREADS) {
     uint4 w = v[i];
 #if ELEM == 2
@@ -274,13 +319,13 @@ __device__ __forceinline__ void slice_write(const uint4* v, int n_vec, float t, 
   }
 }
 
-// A block's shared memory beside its slice: the copy's mbarrier, every block's max and sums (written by
-// the peers through distributed shared memory), and its warps' partial results.
+// A block's shared memory beside its slice: the mbarriers of the copy and of the peers' pushes, every
+// block's max and sums (pushed by the peers through distributed shared memory: a pair (s, e) per block),
+// and its warps' partial results.
 struct BlockShared {
-  u64 full;
+  u64 full, max_full, sums_full;
+  alignas(16) i64 peer_sums[CLUSTER][2];
   float peer_max[CLUSTER];
-  i64 peer_s[CLUSTER];
-  i64 peer_e[CLUSTER];
   float warp_max[WARPS];
   i64 warp_s[WARPS];
   i64 warp_e[WARPS];
@@ -300,12 +345,15 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
   const u32 bytes = (u32)cols * ESIZE;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-  // Start the copy of this block's slice; the cluster's first barrier (relaxed: it orders nothing but
-  // the peers' start) overlaps it.
-  if (threadIdx.x == 0 && bytes) start_slice_copy(slice, x_row + (i64)col0 * ESIZE, bytes, &sh.full);
+  // Ready the mbarriers and start the copy of this block's slice; the cluster's barrier (its peers have
+  // started) overlaps it.
+  if (threadIdx.x == 0) {
+    init_exchanges(&sh.full, &sh.max_full, sizeof(sh.peer_max), &sh.sums_full, sizeof(sh.peer_sums));
+    if (bytes) start_slice_copy(slice, x_row + (i64)col0 * ESIZE, bytes, &sh.full);
+  }
   cluster_arrive_relaxed();
   __syncthreads();
-  if (bytes) wait_slice_copy(&sh.full);
+  if (bytes) wait_landed<WAIT_NS>(&sh.full);
 
   // The slice's max in the logits' own type (exact, NaN-propagating), then fp32.
   const uint4* v = (const uint4*)slice;
@@ -333,9 +381,9 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
   m = sh.warp_max[0];
   for (int w = 1; w < WARPS; ++w) m = max_nan(m, sh.warp_max[w]);
   cluster_wait();  // every block of the cluster has started: its shared memory can be written
-  if (threadIdx.x < CLUSTER) push_float(&sh.peer_max[rank], threadIdx.x, m);
-  cluster_arrive();
-  cluster_wait();
+  if (threadIdx.x < CLUSTER) push_float(&sh.peer_max[rank], &sh.max_full, threadIdx.x, m);
+  if (warp == 0) wait_landed<EXCHANGE_WAIT_NS>(&sh.max_full);
+  __syncthreads();
   m = sh.peer_max[0];
   for (int r = 1; r < CLUSTER; ++r) m = max_nan(m, sh.peer_max[r]);
 
@@ -399,21 +447,20 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
       s += sh.warp_s[w];
       e += sh.warp_e[w];
     }
-    push_i64(&sh.peer_s[rank], threadIdx.x, s);
-    push_i64(&sh.peer_e[rank], threadIdx.x, e);
+    push_pair(sh.peer_sums[rank], &sh.sums_full, threadIdx.x, s, e);
   }
-  cluster_arrive();
-  cluster_wait();
-  // Past this barrier no block touches another's shared memory: a thread that writes nothing of the row
-  // leaves (with `out_full` every thread writes its logprobs; else block 0's thread 0 writes the row's
-  // scalars and its first n_picks threads the labels' logp).
+  if (warp == 0) wait_landed<EXCHANGE_WAIT_NS>(&sh.sums_full);
+  __syncthreads();
+  // Every peer's pushes into this block have landed, and no block reads another's shared memory: a thread
+  // that writes nothing of the row leaves (with `out_full` every thread writes its logprobs; else block 0's
+  // thread 0 writes the row's scalars and its first n_picks threads the labels' logp).
   if (!out_full && (rank != 0 || (threadIdx.x != 0 && (!out_logp || (int)threadIdx.x >= n_picks)))) return;
 
   // `finalize_row`, in the same operations (in every thread that writes: the same integers, the same results).
   i64 fixed = 0, entropy_fixed = 0;
   for (int r = 0; r < CLUSTER; ++r) {
-    fixed += sh.peer_s[r];
-    entropy_fixed += sh.peer_e[r];
+    fixed += sh.peer_sums[r][0];
+    entropy_fixed += sh.peer_sums[r][1];
   }
   entropy_fixed = 0 - entropy_fixed;
   const float nan = __int_as_float(0x7fc00000);

@@ -2,19 +2,23 @@
 // runs as a CPU thread, so the kernel's own source (compiled with CLUSTER_HOST_EMULATION, which leaves out
 // its PTX helpers) runs here and its outputs can be compared with the contract's CPU path.
 //
-// Defined here: the kernel's PTX helpers (cluster rank and barriers, pushes into a peer's shared memory,
-// the slice copy and its wait, NaN-propagating max, fp16 widening) and the CUDA intrinsics it calls,
-// with the same IEEE results (round-toward-zero adds, correctly rounded division and fma); `expf` is the
-// contract's CPU exponential (the fp64 exp rounded to fp32), as the kernels' libdevice `expf` is the
-// contract's on a GPU. Shared memory is a per-block arena; a peer's is reached through the offset of the
-// local slot, as `mapa` maps it. Misuse the hardware would not forgive aborts with a message: a cluster
-// barrier waited on without an arrival, a push outside the shared state or to a rank outside the cluster,
-// a wait on a copy that was never started. Every ordering between threads comes from std::barrier (and
-// the shuffles' own barriers), so a build with -fsanitize=thread reports a read of shared memory that no
-// barrier of the kernel orders after its write.
+// Defined here: the kernel's PTX helpers (cluster rank and barrier, the mbarriers, pushes into a peer's
+// shared memory counted on its mbarrier, the slice copy and the waits, its replica of libdevice's `expf`,
+// NaN-propagating max, fp16 widening) and the CUDA intrinsics it calls, with the same IEEE results
+// (round-toward-zero adds and fma, correctly rounded division and fma); the exponential is the contract's
+// CPU one (the fp64 exp rounded to fp32), as libdevice's `expf` is the contract's on a GPU. Shared memory
+// is a per-block arena; a peer's is reached through the offset of the local slot, as `mapa` maps it. An
+// mbarrier holds the bytes it still expects (an atomic: a push subtracts its bytes with release order, a
+// wait loads with acquire order). Misuse the hardware would not forgive aborts with a message: a cluster
+// barrier waited on without an arrival, a push outside the shared state, to a rank outside the cluster or
+// of more bytes than its receiver expects, a wait on bytes nobody expects or that never land (60 s). Every
+// other ordering between threads comes from std::barrier (and the shuffles' own barriers), so a build with
+// -fsanitize=thread reports a read of shared memory that neither a barrier nor an mbarrier of the kernel
+// orders after its write.
 #pragma once
 
 #include <barrier>
+#include <chrono>
 #include <cfenv>
 #include <cmath>
 #include <cstdint>
@@ -23,6 +27,7 @@
 #include <cstring>
 #include <math.h>
 #include <optional>
+#include <thread>
 
 #define __device__
 #define __global__
@@ -56,7 +61,6 @@ struct Block {
   unsigned char* dynamic;    // DYNAMIC_SHARED
   std::uint64_t* exchange;   // a slot per thread, for shuffles
   int* flag;                 // __syncthreads_or
-  bool copy_started;
 };
 
 struct Cluster {
@@ -119,8 +123,20 @@ inline float __fdiv_rn(float a, float b) {
   return r;
 }
 
-inline float emulated_expf(float x) { return (float)std::exp((double)x); }
-#define expf emulated_expf
+inline float __fmaf_rz(float a, float b, float c) {
+  const int mode = std::fegetround();
+  std::fesetround(FE_TOWARDZERO);
+  volatile float r = std::fma(a, b, c);
+  std::fesetround(mode);
+  return r;
+}
+
+// The kernel's `exp_parts`: e = expf(x) as r s, here the contract's CPU exponential (the fp64 exp rounded
+// to fp32) and s = 1, so that fma(r, s, c) is the contract's add.
+inline void exp_parts(float x, float& r, float& s) {
+  r = (float)std::exp((double)x);
+  s = 1.0f;
+}
 
 inline void __syncthreads() { emu::self.block->threads->arrive_and_wait(); }
 
@@ -151,36 +167,75 @@ inline T __shfl_xor_sync(unsigned int mask, T v, int lane_mask) {
 // The kernel's PTX helpers.
 inline unsigned int cluster_rank() { return emu::self.rank; }
 
-inline void cluster_arrive() {
+inline void cluster_arrive_relaxed() {
   if (emu::self.arrival) emu::fail("two cluster arrivals without a wait");
   emu::self.arrival.emplace(emu::self.cluster->barrier->arrive());
 }
-inline void cluster_arrive_relaxed() { cluster_arrive(); }
 inline void cluster_wait() {
   if (!emu::self.arrival) emu::fail("a cluster wait without an arrival");
   emu::self.cluster->barrier->wait(std::move(*emu::self.arrival));
   emu::self.arrival.reset();
 }
 
-template <class T>
-inline void push(const T* local_slot, unsigned int rank, T v) {
-  const auto* at = reinterpret_cast<const unsigned char*>(local_slot);
-  emu::Block& b = *emu::self.block;
-  if (at < b.arena || at + sizeof(T) > b.arena + b.arena_bytes) emu::fail("a push from outside the shared state");
-  if (rank >= emu::self.cluster->size) emu::fail("a push to a rank outside the cluster");
-  std::memcpy(emu::self.cluster->blocks[rank].arena + (at - b.arena), &v, sizeof(T));
-}
-inline void push_float(const float* local_slot, unsigned int rank, float v) { push(local_slot, rank, v); }
-inline void push_i64(const long long* local_slot, unsigned int rank, long long v) { push(local_slot, rank, v); }
+namespace emu {
+constexpr std::uint64_t kNobodyExpects = ~0ull;  // an mbarrier no copy or push will complete
 
-inline void start_slice_copy(unsigned char* slice, const unsigned char* src, unsigned int bytes, unsigned long long*) {
+// The byte offset of `p` in this block's shared state, checked to hold `bytes`.
+inline std::size_t arena_offset(const void* p, std::size_t bytes, const char* what) {
+  const auto* at = reinterpret_cast<const unsigned char*>(p);
+  const Block& b = *self.block;
+  if (at < b.arena || at + bytes > b.arena + b.arena_bytes) fail(what);
+  return static_cast<std::size_t>(at - b.arena);
+}
+
+// `bytes` of `v` into block `rank`'s copy of `local_slot`, then counted on its copy of `bar`.
+inline void push(const void* local_slot, const unsigned long long* bar, unsigned int rank, const void* v,
+                 std::size_t bytes) {
+  const std::size_t slot = arena_offset(local_slot, bytes, "a push from outside the shared state");
+  const std::size_t counter = arena_offset(bar, sizeof(std::uint64_t), "a push counted outside the shared state");
+  if (rank >= self.cluster->size) fail("a push to a rank outside the cluster");
+  unsigned char* peer = self.cluster->blocks[rank].arena;
+  std::memcpy(peer + slot, v, bytes);
+  auto* left = reinterpret_cast<std::uint64_t*>(peer + counter);
+  const std::uint64_t before = __atomic_fetch_sub(left, bytes, __ATOMIC_RELEASE);
+  if (before == kNobodyExpects || before < bytes) fail("a push of more bytes than its receiver expects");
+}
+}  // namespace emu
+
+inline void init_exchanges(unsigned long long* full, unsigned long long* max_full, unsigned int max_bytes,
+                           unsigned long long* sums_full, unsigned int sums_bytes) {
+  __atomic_store_n(full, emu::kNobodyExpects, __ATOMIC_RELAXED);
+  __atomic_store_n(max_full, max_bytes, __ATOMIC_RELAXED);
+  __atomic_store_n(sums_full, sums_bytes, __ATOMIC_RELAXED);
+}
+
+inline void push_float(const float* local_slot, const unsigned long long* bar, unsigned int rank, float v) {
+  emu::push(local_slot, bar, rank, &v, sizeof v);
+}
+inline void push_pair(const long long* local_slot, const unsigned long long* bar, unsigned int rank, long long a,
+                      long long b) {
+  const long long pair[2] = {a, b};
+  emu::push(local_slot, bar, rank, pair, sizeof pair);
+}
+
+inline void start_slice_copy(unsigned char* slice, const unsigned char* src, unsigned int bytes,
+                             unsigned long long* full) {
   if (bytes % 16 || reinterpret_cast<std::uintptr_t>(src) % 16 || reinterpret_cast<std::uintptr_t>(slice) % 16)
     emu::fail("a bulk copy of a size or at an address that is not a multiple of 16");
   std::memcpy(slice, src, bytes);
-  emu::self.block->copy_started = true;
+  __atomic_store_n(full, 0ull, __ATOMIC_RELEASE);
 }
-inline void wait_slice_copy(unsigned long long*) {
-  if (!emu::self.block->copy_started) emu::fail("a wait on a copy that was never started");
+template <unsigned int HINT_NS>
+inline void wait_landed(const unsigned long long* bar) {
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    const std::uint64_t left = __atomic_load_n(bar, __ATOMIC_ACQUIRE);
+    if (left == emu::kNobodyExpects) emu::fail("a wait on bytes nobody expects");
+    if (left == 0) return;
+    if (std::chrono::steady_clock::now() - start > std::chrono::seconds(60))
+      emu::fail("a wait on bytes that never land");
+    std::this_thread::yield();
+  }
 }
 
 inline float max_nan(float a, float b) {

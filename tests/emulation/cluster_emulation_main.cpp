@@ -133,7 +133,6 @@ int main(int argc, char** argv) {
       b.dynamic = static_cast<unsigned char*>(aligned((std::size_t)width * ESIZE, 0xA5));
       b.exchange = static_cast<std::uint64_t*>(aligned(THREADS * 8, 0));
       b.flag = static_cast<int*>(aligned(sizeof(int), 0));
-      b.copy_started = false;
     }
     emu::Cluster cluster{cluster_barrier, blocks.data(), CLUSTER};
     l.row = row;
