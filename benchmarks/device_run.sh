@@ -4,6 +4,9 @@
 #   tests     the GPU tests (TEST_FILES: groups of files separated by ';', a process each; TEST_FILTER)
 #             -> $OUT/gpu_tests.txt
 #   sweep     bench_logp.py --suites sweep: launch variants of the fused kernels -> $OUT/${GPU}_sweep.json
+#   ab        the tree's cluster forward against another source of it (AB_BASE, default ab_base.cu: a file
+#             the call carries, e.g. `git show HEAD~1:kernels/cluster_row_stats.cu > ab_base.cu`), the sweep's
+#             default launch in AB_ROUNDS (3) alternating rounds of a process each -> $OUT/${GPU}_sweep_ab.jsonl
 #   calls     bench_logp.py --suites rollout overhead tp (CALLS_SUITES, more arguments in CALLS_ARGS): rollout-size
 #             calls, host time, TP agreement cost -> $OUT/${GPU}_calls.json
 #   bench     bench_logp.py --suites main: every provider at 8192 and 32768 rows -> $OUT/${GPU}_bench.json
@@ -66,6 +69,19 @@ for stage in ${STAGES}; do
     sweep)
       timeout "${SWEEP_TIMEOUT:-300}" python3 -P benchmarks/bench_logp.py --suites sweep --rows 32768 \
         --reps "${REPS:-5}" --out "$OUT/${GPU}_sweep.json" 2>&1 | grep -v '^{' | tail -30 ;;
+    ab)
+      kernel=/tmp/pkg/rl_logp/kernels/cluster_row_stats.cu
+      cp "${kernel}" /tmp/ab_tree.cu
+      for round in $(seq "${AB_ROUNDS:-3}"); do
+        for side in tree base; do
+          if [ "${side}" = tree ]; then cp /tmp/ab_tree.cu "${kernel}"; else cp "${AB_BASE:-ab_base.cu}" "${kernel}"; fi
+          timeout "${AB_TIMEOUT:-120}" python3 -P benchmarks/bench_logp.py --suites sweep --rows 32768 --reps "${REPS:-5}" \
+            --variants '[{}]' --out /tmp/ab.json 2>&1 | grep -A1 "^sweep variant" | tail -1 | sed "s/^default/${side} ${round}/"
+          python3 -c "import json, sys; d = json.load(open('/tmp/ab.json')); d.update(side=sys.argv[1], round=int(sys.argv[2]), \
+            base=sys.argv[3]); print(json.dumps(d))" "${side}" "${round}" "${AB_BASE:-ab_base.cu}" >> "$OUT/${GPU}_sweep_ab.jsonl"
+        done
+      done
+      cp /tmp/ab_tree.cu "${kernel}" ;;
     calls)
       timeout "${CALLS_TIMEOUT:-150}" python3 -P benchmarks/bench_logp.py --suites ${CALLS_SUITES:-rollout overhead tp} \
         ${CALLS_ARGS:-} --out "$OUT/${GPU}_calls.json" 2>&1 | grep -v '^{' | tail -40 ;;
