@@ -228,3 +228,28 @@ def test_ncu_cases_smoke():
                               "--vocab", "1031", "--warmup", "1"], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-4000:]
         assert run.stdout.startswith(f"{case}: 3 x 1031, ") and run.stdout.rstrip().endswith(" ran"), run.stdout
+
+
+def test_ncu_sass_summary_groups_a_kernels_instructions_and_stalls(tmp_path):
+    """From a SASS CSV as ncu writes it (two kernels; thousands separators), the summary reads the named
+    kernel only: its totals, each stall reason's share, the loop (instructions sharing a run count) apart
+    from the once-per-row stretch, and the instructions with the most samples first."""
+    columns = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
+               "Instructions Executed", "stall_barrier", "stall_math", "stall_barrier (Not Issued)"]
+    rows = [["Kernel Name", "other_kernel"], columns, ["0x10", "FADD R1, R2, R3", "999", "0", "5", "999", "0", "0"],
+            ["Kernel Name", "cluster_row_stats"], columns,
+            ["0x7f0000005200", "BAR.SYNC", "60", "60", "100", "60", "0", "60"],
+            ["0x7f0000005210", "FFMA R1, R2, R3, R4", "30", "1", "1,000", "0", "30", "0"],
+            ["0x7f0000005220", "MUFU.EX2 R5, R6", "10", "1", "1,000", "0", "10", "0"]]
+    csv_path = tmp_path / "ncu_sass.csv"
+    csv_path.write_text("\n".join(",".join(f'"{cell}"' for cell in row) for row in rows) + "\n")
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ncu_sass_summary.py"), str(csv_path), "--top", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert "3 SASS instructions, 2100 warp instructions executed, 100 stall samples" in out
+    assert "barrier 60.0%, math 40.0%" in out
+    groups = re.findall(r"^\s+(\d+)\s+(\d+)\s+([\d.]+)%\s+([\d.]+)%$", out, re.MULTILINE)
+    assert groups == [("1000", "2", "95.2", "40.0"), ("100", "1", "4.8", "60.0")]
+    top = re.findall(r"^\s+(5\d\d0) (\S+)", out, re.MULTILINE)
+    assert top == [("5200", "BAR.SYNC"), ("5210", "FFMA")]
