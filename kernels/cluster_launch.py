@@ -29,7 +29,7 @@ ELEMENT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 CLUSTERS = (2, 4, 8)  # blocks per row tried, fewest first (8: the portable cluster size's limit)
 FRACTION_BITS = 40  # the kernel's fixed point, F
 SHARED_PER_SM = 233472  # bytes of shared memory of an H100/H200 SM (228 KB; a block takes at most 227 KB)
-BLOCK_OVERHEAD = 4096  # a block's shared memory beside its slice: its own (1280 bytes with the 1 KB reserved), rounded up
+BLOCK_OVERHEAD = 4096  # a block's shared memory beside its slice: its own (1296 bytes with the 1 KB reserved), rounded up
 
 
 def blocks_per_sm(slice_bytes: int) -> int:
