@@ -6,10 +6,11 @@
 // 5 programs per SM the second read mostly misses L2. Here each block copies its slice into shared
 // memory once (bulk asynchronous copies), scans it for the max and pushes it into every block of the
 // cluster (asynchronous stores into distributed shared memory, each counted on the receiver's mbarrier:
-// no cluster barrier, no memory fence); once every block's max has landed it sums the fixed-point terms
-// of its slice from shared memory, the blocks push their sums the same way, and each thread that writes
-// finishes the row (the same integers: the same results): with `out_full` every thread, writing its
-// slice's logprobs; block 0's first threads the labels' logp, and its thread 0 the row's scalars.
+// past the one cluster barrier at its start, no other and no fence); once every block's max has landed
+// it sums the fixed-point terms of its slice from shared memory, the blocks push their sums the same way,
+// and each thread that writes finishes the row (the same integers: the same results): with `out_full`
+// every thread, writing its slice's logprobs; block 0's first threads the labels' logp, and its thread 0
+// the row's scalars.
 //
 // Same operations as the Triton kernels, so the same bits: libdevice's expf (what `exact_exp` calls; its
 // last product folded into the fixed-point split's round-toward-zero adds, which gives the same sums),
