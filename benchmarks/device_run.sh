@@ -70,6 +70,10 @@ for stage in ${STAGES}; do
       timeout "${SWEEP_TIMEOUT:-300}" python3 -P benchmarks/bench_logp.py --suites sweep --rows 32768 \
         --reps "${REPS:-5}" --out "$OUT/${GPU}_sweep.json" 2>&1 | grep -v '^{' | tail -30 ;;
     ab)
+      if [ ! -f "${AB_BASE:-ab_base.cu}" ]; then
+        echo "ab: ${AB_BASE:-ab_base.cu} is not in the tree (write it with git show REV:kernels/cluster_row_stats.cu and carry it); stage skipped"
+        continue
+      fi
       kernel=/tmp/pkg/rl_logp/kernels/cluster_row_stats.cu
       cp "${kernel}" /tmp/ab_tree.cu
       for round in $(seq "${AB_ROUNDS:-3}"); do
