@@ -177,8 +177,7 @@ class StepBench:
 
     def outputs(self, call: Callable[[torch.Tensor], dict]) -> dict[str, torch.Tensor]:
         """logp, entropy (when computed) and d loss / d logits of the first input set, detached, in their own
-        dtypes, on the CPU: the unpatched side's are kept while the patched side runs, and on the GPU its
-        logits-sized gradient would take memory neither side's step needs."""
+        dtypes."""
         logits = (self.hiddens[0].requires_grad_(True) @ self.weight).unsqueeze(0)
         out = call(logits)
         loss = out["log_probs"].sum() + (0.01 * out["entropy"].sum() if "entropy" in out else 0.0)
@@ -186,22 +185,22 @@ class StepBench:
         found = {"logp": out["log_probs"], "grad": grad}
         if "entropy" in out:
             found["entropy"] = out["entropy"]
-        return {k: v.detach().to("cpu") for k, v in found.items()}
+        return {k: v.detach() for k, v in found.items()}
 
 
 DISTANCE_CHUNK = 1 << 26  # values compared at a time (256 MiB in fp32)
 
 
-def distance(patched: dict[str, torch.Tensor], unpatched: dict[str, torch.Tensor], device: torch.device) -> dict:
-    """How far the patched outputs are from verl's own: max |difference| and the share of values that differ,
-    compared in fp32 on `device` a chunk at a time."""
+def distance(patched: dict[str, torch.Tensor], unpatched: dict[str, torch.Tensor]) -> dict:
+    """How far the patched outputs are from verl's own (wherever those are kept): max |difference| and the
+    share of values that differ, compared in fp32 on the patched outputs' device a chunk at a time."""
     found = {}
     for name, ref in unpatched.items():
         got, ref = patched[name].reshape(-1), ref.reshape(-1)
         largest, differing = 0.0, 0
         for start in range(0, ref.numel(), DISTANCE_CHUNK):
-            a = got[start:start + DISTANCE_CHUNK].to(device).float()
-            diff = (a - ref[start:start + DISTANCE_CHUNK].to(device).float()).abs()
+            a = got[start:start + DISTANCE_CHUNK].float()
+            diff = (a - ref[start:start + DISTANCE_CHUNK].to(a.device).float()).abs()
             largest = max(largest, float(diff.max()))
             differing += int((diff > 0).sum())
         found[f"{name}_max_abs_diff"] = largest
@@ -238,10 +237,11 @@ def side_by_side(args, device, suite: str, make_bench: Callable, make_call: Call
                             adapter.apply(backend=args.backend)
                         call = make_call(bench, mode, temperature, entropy)
                         row.update(bench.run(call, args.warmup, args.reps))
-                        if mode == "unpatched":
-                            reference = bench.outputs(call)
+                        if mode == "unpatched":  # kept on the CPU while the patched side runs: on the GPU its
+                            # logits-sized gradient would take memory neither side's step needs
+                            reference = {k: v.to("cpu") for k, v in bench.outputs(call).items()}
                         elif reference is not None:
-                            row.update(distance(bench.outputs(call), reference, device))
+                            row.update(distance(bench.outputs(call), reference))
                     except Exception as err:  # a cell that cannot run says why; the others still run
                         row["error"] = f"{type(err).__name__}: {err}"
                     finally:
