@@ -52,8 +52,8 @@ class LaunchConfig:
     """Launch parameters of the kernels (every variant gives the same bits).
 
     chunk: logits per tile of the forward (a power of two); lane: adjacent logits one lane sums in registers
-    before its accumulator (a power of two dividing chunk); warps: per forward program; programs_per_sm: persistent forward programs per SM (0: one
-    program per row); two_pass: the row max in a launch of its own, then the sums (both passes read the
+    before its accumulator (a power of two dividing chunk); warps: per forward program; programs_per_sm:
+    persistent forward programs per SM (0: one program per row); two_pass: the row max in a launch of its own, then the sums (both passes read the
     logits from HBM; the default re-reads each row right after scanning it, mostly from L2); quant:
     QUANT_SPLIT or QUANT_CAST (the split is used where it is exact); div: DIV_IEEE or DIV_RECIPROCAL (the
     IEEE quotient either way; the interpreter defaults to div_rn, the reference the reciprocal paths are
@@ -72,8 +72,8 @@ class LaunchConfig:
     cluster_threads, cluster_slice_bytes: its threads per block and the most bytes of a row one block
     holds; cluster_wait_ns: the suspend-time hint of its blocks' wait for their slice (0: none, the
     hardware's own limit between polls; at most 2^32 - 1); driver: the rollout plans' launches
-    (`bind_row_stats`, and the kept set's `bind_kept_set` through `rl_logp.sampling_mask`) go through the CUDA driver itself where the kernel's parameters are
-    known (`launcher.DriverLaunch`; off: on an H100 the launch alone was faster but vLLM's steps were not,
+    (`bind_row_stats`, and the kept set's `bind_kept_set` through `rl_logp.sampling_mask`) go through the
+    CUDA driver itself where the kernel's parameters are known (`launcher.DriverLaunch`; off: on an H100 the launch alone was faster but vLLM's steps were not,
     `h100_rollout_vllm_0.24.0_driver.json`).
     """
 
