@@ -347,13 +347,38 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
   // Ready the mbarriers and start the copy of this block's slice; the cluster's barrier (its peers have
-  // started) overlaps it.
+  // started) and the division's set-up that T alone decides overlap it.
   if (threadIdx.x == 0) {
     init_exchanges(&sh.full, &sh.max_full, sizeof(sh.peer_max), &sh.sums_full, sizeof(sh.peer_sums));
     if (bytes) start_slice_copy(slice, x_row + (i64)col0 * ESIZE, bytes, &sh.full);
   }
   cluster_arrive_relaxed();
-  __syncthreads();
+  // The division (`row_divisor` / `row_reciprocal`) as far as T decides it; the row's max decides the rest
+  // below. `row_reciprocal`'s range of T, and there its reciprocal.
+  bool t_ok = false, use_pair = false;
+  float recip = 0.0f, down = 0.0f, rest = 0.0f;
+  int wrong = 0;
+  if (TEMP) {
+    t_ok = t >= 9.765625e-04f && t <= 1.2676506002282294e30f;
+    recip = __fdiv_rn(1.0f, t);
+#if ELEM != 2
+    // `row_divisor`'s pair hi + lo = 1/T, kept if fma(x, hi, x lo) is the IEEE x / T on every significand
+    // of the logits' type (FRACTION_BITS: bf16 7, fp16 10).
+    const int fraction_bits = ELEM == 0 ? 7 : 10;
+    bool above = fmaf(-recip, t, 1.0f) < 0.0f;
+    down = above ? __int_as_float(__float_as_int(recip) - 1) : recip;
+    rest = __fdiv_rn(fmaf(-down, t, 1.0f), t);
+    rest = rest > 0.0f ? rest : down * 9.313225746154785e-10f;
+    for (int i = threadIdx.x; i < (1 << fraction_bits); i += THREADS) {
+      float sig = 1.0f + (float)i * (1.0f / (1 << fraction_bits));
+      wrong |= fmaf(sig, down, sig * rest) != __fdiv_rn(sig, t);
+    }
+#endif
+  }
+  wrong = __syncthreads_or(wrong);
+#if ELEM != 2
+  use_pair = t_ok && down >= 8.271806125530277e-25f && rest >= down * 9.094947017729282e-13f && !wrong;
+#endif
   if (bytes) wait_landed<WAIT_NS>(&sh.full);
 
   // The slice's max in the logits' own type (exact, NaN-propagating), then fp32.
@@ -393,37 +418,17 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
   const float neg_inf = -__int_as_float(0x7f800000);
   float shift = row_max == neg_inf ? 0.0f : row_max;
 
-  // The division (`row_divisor` / `row_reciprocal`), chosen once for the row: 0 none, 1 the reciprocal and
-  // one fma, 2 div_rn, 3 the pair (16-bit logits). Every choice gives the IEEE quotient's bits.
+  // The division, chosen once for the row: 0 none, 1 the reciprocal and one fma, 2 div_rn, 3 the pair
+  // (16-bit logits). Every choice gives the IEEE quotient's bits. `row_reciprocal`'s range: T's (above) and
+  // the max's.
   int div = 0;
   float inv_t = 0.0f, inv_lo = 0.0f;
   if (TEMP) {
-    // `row_reciprocal`'s range: there the reciprocal and one fma give the IEEE quotient's bits.
     float am = fabsf(row_max);
-    bool ok = t >= 9.765625e-04f && t <= 1.2676506002282294e30f && am >= 8.673617379884035e-19f &&
-              am <= 1.2676506002282294e30f;
-    inv_t = ok ? __fdiv_rn(1.0f, t) : 0.0f;
-    div = ok ? 1 : 2;
-#if ELEM != 2
-    // `row_divisor`'s pair hi + lo = 1/T, kept if fma(x, hi, x lo) is the IEEE x / T on every significand
-    // of the logits' type (FRACTION_BITS: bf16 7, fp16 10).
-    const int fraction_bits = ELEM == 0 ? 7 : 10;
-    bool above = fmaf(-inv_t, t, 1.0f) < 0.0f;
-    float down = above ? __int_as_float(__float_as_int(inv_t) - 1) : inv_t;
-    float rest = __fdiv_rn(fmaf(-down, t, 1.0f), t);
-    rest = rest > 0.0f ? rest : down * 9.313225746154785e-10f;
-    int wrong = 0;
-    for (int i = threadIdx.x; i < (1 << fraction_bits); i += THREADS) {
-      float sig = 1.0f + (float)i * (1.0f / (1 << fraction_bits));
-      wrong |= fmaf(sig, down, sig * rest) != __fdiv_rn(sig, t);
-    }
-    wrong = __syncthreads_or(wrong);
-    if (inv_t > 0.0f && down >= 8.271806125530277e-25f && rest >= down * 9.094947017729282e-13f && !wrong) {
-      div = 3;
-      inv_t = down;
-      inv_lo = rest;
-    }
-#endif
+    bool ok = t_ok && am >= 8.673617379884035e-19f && am <= 1.2676506002282294e30f;
+    div = !ok ? 2 : use_pair ? 3 : 1;
+    inv_t = !ok ? 0.0f : use_pair ? down : recip;
+    inv_lo = ok && use_pair ? rest : 0.0f;
   }
   Sums acc;
 #define SUMS(D) acc = slice_sums<D>(v, n_vec, t, inv_t, inv_lo, shift)
