@@ -67,19 +67,28 @@ def test_cluster_kernel_compiles_for_sm90_without_spills():
                     assert regs <= limit and local == 0, (options, regs, local)
 
 
-@pytest.mark.parametrize("wait_ns", [-1, 1 << 32])
-def test_a_copy_wait_hint_outside_32_bits_is_refused_by_name(monkeypatch, wait_ns):
-    """The copy wait's suspend-time hint is a 32-bit PTX operand: a value outside [0, 2^32), from code or
-    from RL_LOGP_FUSED_CONFIG, is an error naming the field, not a compile failure at the first launch."""
+# (field, a value refused, what the error says, a value taken): the copy wait's suspend-time hint is a
+# 32-bit PTX operand; the kernel's reductions take whole warps and a block holds at most 1024 threads.
+REFUSED_KNOBS = [("cluster_wait_ns", -1, r"must be in \[0, 2\^32\)", 10**7),
+                 ("cluster_wait_ns", 1 << 32, r"must be in \[0, 2\^32\)", 10**7),
+                 ("cluster_threads", 0, r"must be a multiple of 32 in \[32, 1024\]", 96),
+                 ("cluster_threads", 100, r"must be a multiple of 32 in \[32, 1024\]", 96),
+                 ("cluster_threads", 1056, r"must be a multiple of 32 in \[32, 1024\]", 96)]
+
+
+@pytest.mark.parametrize(("field", "value", "message", "taken"), REFUSED_KNOBS)
+def test_cluster_knobs_the_kernel_cannot_take_are_refused_by_name(monkeypatch, field, value, message, taken):
+    """A value of a cluster knob the kernel cannot take, from code or from RL_LOGP_FUSED_CONFIG, is an error
+    naming the field, not a compile failure at the first launch, a launch failure or a wrong result."""
     from rl_logp.engines.fused import TUNING_VARIABLE, config_from_environment
 
-    with pytest.raises(ValueError, match=r"cluster_wait_ns=.* must be in \[0, 2\^32\)"):
-        LaunchConfig(cluster_wait_ns=wait_ns)
-    monkeypatch.setenv(TUNING_VARIABLE, f'{{"cluster_wait_ns": {wait_ns}}}')
-    with pytest.raises(ValueError, match="cluster_wait_ns"):
+    with pytest.raises(ValueError, match=rf"{field}={value} {message}"):
+        LaunchConfig(**{field: value})
+    monkeypatch.setenv(TUNING_VARIABLE, f'{{"{field}": {value}}}')
+    with pytest.raises(ValueError, match=field):
         config_from_environment()
-    monkeypatch.setenv(TUNING_VARIABLE, '{"cluster_wait_ns": 10000000}')
-    assert config_from_environment().cluster_wait_ns == 10**7
+    monkeypatch.setenv(TUNING_VARIABLE, f'{{"{field}": {taken}}}')
+    assert getattr(config_from_environment(), field) == taken
 
 
 def test_a_compile_error_names_the_kernel_and_shows_the_log():
@@ -212,9 +221,11 @@ EMULATED = [(dtype, temperature, entropy, threads, cluster)
                                                        clusters, strict=True)
             for threads in ((32 if temperature and not entropy else 128 if temperature else 64)
                             if dtype == torch.float32 else 64,)]
+# Three warps a block (a warp count that is not a power of two: `cluster_threads` may be any multiple of 32).
 # The launch's own slices (`LaunchConfig`) at Qwen2's vocabulary: 4 blocks of 256 threads for bf16, 8
 # blocks of 512 threads for fp32 (cluster None).
-EMULATED += [(torch.bfloat16, True, True, 256, None), (torch.float32, False, False, 512, None)]
+EMULATED += [(torch.bfloat16, True, False, 96, 4), (torch.bfloat16, True, True, 256, None),
+             (torch.float32, False, False, 512, None)]
 
 
 def _check_emulated(tmp_path_factory, dtype, temperatures, entropy, threads, cluster, sanitize=None):
