@@ -567,6 +567,7 @@ def main(argv: list[str] | None = None) -> None:
         "python": platform.python_version(),
         "command": " ".join(sys.argv),
         "backend": args.backend,
+        "fused_config": os.environ.get("RL_LOGP_FUSED_CONFIG", ""),
         "not_run": missing,
     })
     run(args, device, paths, report)

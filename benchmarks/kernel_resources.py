@@ -302,7 +302,7 @@ def cluster_report(vocab: int, dtype: torch.dtype, cfg: launch.LaunchConfig, sho
             continue
         options = cluster_launch.variant_options(cluster_launch.ELEMENT_CODES[dtype], cluster, variant.entropy,
                                                  variant.temp_mode != fixed_point.TEMP_NONE.value, cfg.cluster_threads,
-                                                 cfg.cluster_slice_bytes, cfg.cluster_wait_ns)
+                                                 width * dtype.itemsize, cfg.cluster_wait_ns)
         kernel = types.SimpleNamespace(asm={"cubin": cuda_source.compile_cubin(
             cluster_launch.SOURCE.read_text(), cluster_launch.KERNEL, "sm_90", options)})
         regs, local = registers(kernel)
@@ -325,11 +325,12 @@ def main() -> None:
     parser.add_argument("--cluster", action="store_true", help="also the cluster forward (CUDA C++, NVRTC)")
     parser.add_argument("--kept-set", action="store_true", help="also the kept-set kernels (registers, spills, SASS per element)")
     parser.add_argument("--maxnreg", type=int, help="cap the forward's registers per thread (ptxas .maxnreg)")
-    for field in ("chunk", "lane", "warps"):
-        parser.add_argument(f"--{field}", type=int, help=f"LaunchConfig.{field} (default: LaunchConfig's)")
+    fields = ("chunk", "lane", "warps", "cluster_threads")
+    for field in fields:
+        parser.add_argument(f"--{field.replace('_', '-')}", type=int, help=f"LaunchConfig.{field} (default: LaunchConfig's)")
     args = parser.parse_args()
     cfg = launch.LaunchConfig()
-    cfg = dataclasses.replace(cfg, **{f: getattr(args, f) for f in ("chunk", "lane", "warps") if getattr(args, f)})
+    cfg = dataclasses.replace(cfg, **{f: getattr(args, f) for f in fields if getattr(args, f)})
     dtype = DTYPES[args.dtype]
     quant = launch._quant(args.vocab, 40, cfg.chunk, cfg.lane, cfg.quant)
     print(f"forward, {args.dtype} x {args.vocab}: chunk {cfg.chunk}, lane {cfg.lane}, warps {cfg.warps}, "

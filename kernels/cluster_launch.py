@@ -30,11 +30,17 @@ CLUSTERS = (2, 4, 8)  # blocks per row tried, fewest first (8: the portable clus
 FRACTION_BITS = 40  # the kernel's fixed point, F
 SHARED_PER_SM = 233472  # bytes of shared memory of an H100/H200 SM (228 KB; a block takes at most 227 KB)
 BLOCK_OVERHEAD = 4096  # a block's shared memory beside its slice: its own (1296 bytes with the 1 KB reserved), rounded up
+SHARED_UNIT = 128  # an SM's shared memory goes to its blocks in units of this many bytes
+SHARED_RESERVED = 1024  # bytes the system reserves in every block's shared memory
 
 
-def blocks_per_sm(slice_bytes: int) -> int:
-    """Blocks with slices of `slice_bytes` one SM holds: the number the registers must allow."""
-    return max(1, SHARED_PER_SM // (slice_bytes + BLOCK_OVERHEAD))
+def blocks_per_sm(slice_bytes: int, threads: int) -> int:
+    """Blocks of `threads` with slices of `slice_bytes` one SM holds: the number the registers must allow.
+    A block's own shared memory (`BlockShared`: three mbarriers, the slots of up to 8 peers, each warp's
+    partial results) at most 192 + 20 bytes a warp, the slice after it at a 128-byte boundary."""
+    own = -(-(192 + 20 * (threads // 32)) // SHARED_UNIT) * SHARED_UNIT
+    block = -(-(own + slice_bytes + SHARED_RESERVED) // SHARED_UNIT) * SHARED_UNIT
+    return max(1, SHARED_PER_SM // block)
 
 
 def cluster_width(n_cols: int, element_size: int, slice_bytes: int) -> tuple[int, int] | None:
@@ -77,9 +83,10 @@ def applies(x: torch.Tensor, labels: torch.Tensor | None, per_row_temperature: b
 def variant_options(element: int, cluster: int, entropy: bool, temperature: bool, threads: int,
                     slice_bytes: int, wait_ns: int = 0) -> list[str]:
     """NVRTC's options for one variant of the kernel (its parameters are macros; no fp contraction);
-    `wait_ns`: the copy wait's suspend-time hint (0: none)."""
+    `slice_bytes`: a block's slice, which decides the blocks an SM holds and so the registers a thread may
+    take; `wait_ns`: the copy wait's suspend-time hint (0: none)."""
     return ["-fmad=false", f"-DELEM={element}", f"-DCLUSTER={cluster}", f"-DTHREADS={threads}",
-            f"-DMIN_BLOCKS={blocks_per_sm(slice_bytes)}", f"-DENTROPY={int(entropy)}", f"-DTEMP={int(temperature)}",
+            f"-DMIN_BLOCKS={blocks_per_sm(slice_bytes, threads)}", f"-DENTROPY={int(entropy)}", f"-DTEMP={int(temperature)}",
             f"-DWAIT_NS={wait_ns}u"]
 
 
@@ -116,7 +123,7 @@ class ClusterLaunch:
         cluster, width = cluster_width(vocab, size, slice_bytes)
         self.device, self.threads, self.grid, self.shared = x.device.index, threads, n * cluster, width * size
         self.function = _function(self.device, ELEMENT_CODES[x.dtype], cluster, entropy, t_scalar is not None, threads,
-                                  slice_bytes, wait_ns)
+                                  self.shared, wait_ns)
         out_max, out_log_sum, out_lse, out_logp, out_ent = outs
         picks = 1 if labels is None or labels.dim() == 1 else labels.shape[1]
         self.args = [_pointer(x), ctypes.c_int64(x.stride(0) * size), _pointer(labels), ctypes.c_int32(picks),

@@ -51,7 +51,7 @@ def test_cluster_kernel_compiles_for_sm90_without_spills():
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     source = cluster_launch.SOURCE.read_text()
     for threads, slice_bytes, wait_ns in ((256, 98304, 0), (512, 98304, 0), (256, 49152, 0), (256, 98304, 10**7)):
-        limit = 65536 // (threads * cluster_launch.blocks_per_sm(slice_bytes))
+        limit = 65536 // (threads * cluster_launch.blocks_per_sm(slice_bytes, threads))
         for element in cluster_launch.ELEMENT_CODES.values():
             for entropy in (False, True):
                 for temperature in (False, True):
