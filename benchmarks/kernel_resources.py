@@ -327,7 +327,8 @@ def main() -> None:
     parser.add_argument("--maxnreg", type=int, help="cap the forward's registers per thread (ptxas .maxnreg)")
     fields = ("chunk", "lane", "warps", "cluster_threads")
     for field in fields:
-        parser.add_argument(f"--{field.replace('_', '-')}", type=int, help=f"LaunchConfig.{field} (default: LaunchConfig's)")
+        parser.add_argument(f"--{field.replace('_', '-')}", type=int,
+                            help=f"LaunchConfig.{field} (default: LaunchConfig's)")
     args = parser.parse_args()
     cfg = launch.LaunchConfig()
     cfg = dataclasses.replace(cfg, **{f: getattr(args, f) for f in fields if getattr(args, f)})

@@ -86,8 +86,8 @@ def variant_options(element: int, cluster: int, entropy: bool, temperature: bool
     `slice_bytes`: a block's slice, which decides the blocks an SM holds and so the registers a thread may
     take; `wait_ns`: the copy wait's suspend-time hint (0: none)."""
     return ["-fmad=false", f"-DELEM={element}", f"-DCLUSTER={cluster}", f"-DTHREADS={threads}",
-            f"-DMIN_BLOCKS={blocks_per_sm(slice_bytes, threads)}", f"-DENTROPY={int(entropy)}", f"-DTEMP={int(temperature)}",
-            f"-DWAIT_NS={wait_ns}u"]
+            f"-DMIN_BLOCKS={blocks_per_sm(slice_bytes, threads)}", f"-DENTROPY={int(entropy)}",
+            f"-DTEMP={int(temperature)}", f"-DWAIT_NS={wait_ns}u"]
 
 
 @functools.lru_cache(maxsize=64)

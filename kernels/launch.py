@@ -70,9 +70,9 @@ class LaunchConfig:
     does not apply to takes the Triton kernels, the same bits; 256: on an H100 it was faster from 256
     rows on, and the Triton kernel took less GPU time at 1-64, `h100_calls_rollout*.json`);
     cluster_threads, cluster_slice_bytes: its threads per block (whole warps, at most 1024) and the most
-    bytes of a row one block holds; cluster_wait_ns: the suspend-time hint of its blocks' wait for their slice (0: none, the
-    hardware's own limit between polls; at most 2^32 - 1); driver: the rollout plans' launches
-    (`bind_row_stats`, and the kept set's `bind_kept_set` through `rl_logp.sampling_mask`) go through the
+    bytes of a row one block holds; cluster_wait_ns: the suspend-time hint of its blocks' wait for their
+    slice (0: none, the hardware's own limit between polls; at most 2^32 - 1); driver: the rollout plans'
+    launches (`bind_row_stats`, and the kept set's `bind_kept_set` through `rl_logp.sampling_mask`) go through the
     CUDA driver itself where the kernel's parameters are known (`launcher.DriverLaunch`; off: on an H100 the launch alone was faster but vLLM's steps were not,
     `h100_rollout_vllm_0.24.0_driver.json`).
     """
@@ -100,8 +100,8 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         if self.cluster_threads % 32 or not 32 <= self.cluster_threads <= 1024:
-            raise ValueError(f"rl_logp: LaunchConfig.cluster_threads={self.cluster_threads} must be a multiple of 32 "
-                             "in [32, 1024] (whole warps, a block's most threads)")
+            raise ValueError(f"rl_logp: LaunchConfig.cluster_threads={self.cluster_threads} must be a multiple "
+                             "of 32 in [32, 1024] (whole warps, a block's most threads)")
         if not 0 <= self.cluster_wait_ns < 1 << 32:
             raise ValueError(f"rl_logp: LaunchConfig.cluster_wait_ns={self.cluster_wait_ns} must be in [0, 2^32) "
                              "(nanoseconds, a 32-bit hint; 0: none)")
