@@ -116,8 +116,8 @@ def _verl_functions():
 
 def with_triton_forward(found: dict[str, Provider], missing: dict[str, str], call: Provider) -> None:
     """`call` again as "rl_logp triton", with the cluster forward off (`LaunchConfig.cluster_rows` 0: the
-    Triton forward, which the default takes below `cluster_rows` rows and where the GPU has no thread block
-    clusters): the same public call beside the default, in the same run."""
+    Triton forward, which the default takes where the cluster forward does not apply, and for calls captured
+    in a CUDA graph below `cluster_rows` rows): the same public call beside the default, in the same run."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
         def triton_forward(x, y, t, ip):
             with engine_launch_config({"cluster_rows": 0}):

@@ -65,10 +65,14 @@ class LaunchConfig:
     one per tile either way); ftz:
     libdevice's flush-to-zero `exp` (torch's CUDA `exp` is not flushed: False keeps subnormal results the
     same bits); grad_block, grad_warps: the backward's tile and warps (its general path works in sub-tiles
-    of four columns per thread, `grad_sub`); cluster_rows: `row_stats` calls of at least this many rows
-    take the cluster forward (`cluster_launch`: one HBM read per row) where it applies (0: never; a call it
-    does not apply to takes the Triton kernels, the same bits; 256: on an H100 it was faster from 256
-    rows on, and the Triton kernel took less GPU time at 1-64, `h100_calls_rollout*.json`);
+    of four columns per thread, `grad_sub`); cluster_rows: `row_stats` calls captured in a CUDA graph of
+    at least this many rows take the cluster forward (`cluster_launch`: one HBM read per row) where it
+    applies (0: no call takes it, eager or captured; a call it does not apply to takes the Triton kernels,
+    the same bits; 256: on an H100 it took less GPU time from 256 rows on, the Triton kernels at 1-64,
+    `h100_calls_rollout*.json`, and GPU time is what a replay costs); cluster_rows_eager: the same for
+    eager calls (1: every size; an eager call of a few rows costs its host time more than its GPU time,
+    and the cluster launch through the driver costs less of it: vLLM's V1 steps at 8 and 64 rows were
+    faster with it, `h100_rollout_vllm_0.24.0_v1_n0*.json`);
     cluster_threads, cluster_slice_bytes: its threads per block (whole warps, at most 1024) and the most
     bytes of a row one block holds; cluster_wait_ns: the suspend-time hint of its blocks' wait for their
     slice (0: none, the hardware's own limit between polls; at most 2^32 - 1); driver: the rollout plans'
@@ -93,12 +97,16 @@ class LaunchConfig:
     grad_block: int = 4096
     grad_warps: int = 4
     cluster_rows: int = 256
+    cluster_rows_eager: int = 1
     cluster_threads: int = 256
     cluster_slice_bytes: int = 98304
     cluster_wait_ns: int = 0
     driver: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("cluster_rows", "cluster_rows_eager"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"rl_logp: LaunchConfig.{name}={getattr(self, name)} must be >= 0 (rows; 0: never)")
         if self.cluster_threads % 32 or not 32 <= self.cluster_threads <= 1024:
             raise ValueError(f"rl_logp: LaunchConfig.cluster_threads={self.cluster_threads} must be a multiple "
                              "of 32 in [32, 1024] (whole warps, a block's most threads)")
@@ -209,10 +217,20 @@ def _split_row_stats(x, labels, temp_mode, temp_rows, t_scalar, bits, entropy, o
         range_launch((n, ranges), (*head, *tail), options)
 
 
+def cluster_min_rows(cfg: LaunchConfig, captured: bool) -> int:
+    """The fewest rows from which a `row_stats` call takes the cluster forward where it applies (0: never):
+    `cfg.cluster_rows` for a call captured in a CUDA graph, `cfg.cluster_rows_eager` for an eager one; none
+    with `cfg.cluster_rows` 0 or `cfg.two_pass`."""
+    if not cfg.cluster_rows or cfg.two_pass:
+        return 0
+    return cfg.cluster_rows if captured else cfg.cluster_rows_eager
+
+
 def _takes_cluster(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, bits: int,
-                   out_full: torch.Tensor | None, cfg: LaunchConfig) -> bool:
-    """Whether `row_stats` takes the cluster forward: `cfg.cluster_rows` rows or more, where it applies."""
-    return bool(cfg.cluster_rows) and x.shape[0] >= cfg.cluster_rows and not cfg.two_pass and cluster_launch.applies(
+                   out_full: torch.Tensor | None, cfg: LaunchConfig, captured: bool) -> bool:
+    """Whether `row_stats` takes the cluster forward: `cluster_min_rows` rows or more, where it applies."""
+    rows = cluster_min_rows(cfg, captured)
+    return bool(rows) and x.shape[0] >= rows and cluster_launch.applies(
         x, labels, temp_mode == TEMP_ROWS.value, bits, out_full, cfg.cluster_slice_bytes)
 
 
@@ -224,17 +242,18 @@ def row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int, temp
     (int64 [n], or [n, K] contiguous with out_logp [n, K]; given with out_logp), with `entropy` the
     entropy, and into `out_full` (fp32 [n, V], last dimension contiguous) every column's logprob.
     `cfg.two_pass` needs out_max. Whole rows, or for at most `cfg.split_rows` rows, when captured in a CUDA
-    graph (or with `cfg.split_eager`), the split plan; for at least `cfg.cluster_rows` rows, the cluster
+    graph (or with `cfg.split_eager`), the split plan; for at least `cluster_min_rows` rows, the cluster
     forward where it applies."""
     outs = (out_max, out_log_sum, out_lse, out_logp, out_ent)
-    if _takes_cluster(x, labels, temp_mode, bits, out_full, cfg):
+    captured = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if _takes_cluster(x, labels, temp_mode, bits, out_full, cfg, captured):
         with on_device(x):
             cluster_launch.row_stats_cluster(x, labels, None if temp_mode == TEMP_NONE.value else t_scalar, entropy,
                                              outs, out_full, cfg.cluster_threads, cfg.cluster_slice_bytes,
                                              cfg.cluster_wait_ns)
         return
     ranges, span = 1, 0
-    if x.shape[0] <= cfg.split_rows and (cfg.split_eager or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+    if x.shape[0] <= cfg.split_rows and (cfg.split_eager or captured):
         ranges, span = split_ranges(x.shape[0], x.shape[1], x.device.index if x.is_cuda else None, cfg)
     with on_device(x):
         if ranges > 1:
@@ -265,7 +284,7 @@ def bind_row_stats(x: torch.Tensor, labels: torch.Tensor | None, temp_mode: int,
     would launch more than once (`cfg.two_pass`, the split plan with `cfg.split_eager`) or where the launch
     has not yet run (bind after a `row_stats` of these arguments: it compiled the kernel)."""
     n, vocab = x.shape
-    if _takes_cluster(x, labels, temp_mode, bits, out_full, cfg):
+    if _takes_cluster(x, labels, temp_mode, bits, out_full, cfg, captured=False):
         with on_device(x):
             return cluster_launch.ClusterLaunch(x, labels, None if temp_mode == TEMP_NONE.value else t_scalar, False,
                                                 (None, None, None, out_logp, None), out_full, cfg.cluster_threads,

@@ -73,7 +73,9 @@ REFUSED_KNOBS = [("cluster_wait_ns", -1, r"must be in \[0, 2\^32\)", 10**7),
                  ("cluster_wait_ns", 1 << 32, r"must be in \[0, 2\^32\)", 10**7),
                  ("cluster_threads", 0, r"must be a multiple of 32 in \[32, 1024\]", 96),
                  ("cluster_threads", 100, r"must be a multiple of 32 in \[32, 1024\]", 96),
-                 ("cluster_threads", 1056, r"must be a multiple of 32 in \[32, 1024\]", 96)]
+                 ("cluster_threads", 1056, r"must be a multiple of 32 in \[32, 1024\]", 96),
+                 ("cluster_rows", -1, r"must be >= 0 \(rows; 0: never\)", 0),
+                 ("cluster_rows_eager", -1, r"must be >= 0 \(rows; 0: never\)", 64)]
 
 
 @pytest.mark.parametrize(("field", "value", "message", "taken"), REFUSED_KNOBS)
@@ -89,6 +91,30 @@ def test_cluster_knobs_the_kernel_cannot_take_are_refused_by_name(monkeypatch, f
         config_from_environment()
     monkeypatch.setenv(TUNING_VARIABLE, f'{{"{field}": {taken}}}')
     assert getattr(config_from_environment(), field) == taken
+
+
+@pytest.mark.parametrize(("rows", "settings", "eager", "captured"), [
+    (1, {}, True, False), (255, {}, True, False), (256, {}, True, True),
+    (8, {"cluster_rows_eager": 16}, False, False), (16, {"cluster_rows_eager": 16}, True, False),
+    (300, {"cluster_rows_eager": 0}, False, True), (4, {"cluster_rows": 4}, True, True),
+    (300, {"cluster_rows": 0}, False, False), (300, {"two_pass": True}, False, False)])
+def test_eager_and_captured_calls_take_the_cluster_forward_from_their_own_row_counts(monkeypatch, rows, settings,
+                                                                                      eager, captured):
+    """`cluster_min_rows`: eager calls from `cluster_rows_eager` rows (1 by default: any size), calls captured
+    in a CUDA graph from `cluster_rows` (256), none with `cluster_rows` 0 or `two_pass`; an eager
+    `row_stats` where the cluster forward applies launches it exactly from there, else the Triton kernel."""
+    from rl_logp.kernels import launch
+
+    cfg = LaunchConfig(**settings)
+    assert [rows >= launch.cluster_min_rows(cfg, c) > 0 for c in (False, True)] == [eager, captured]
+    taken = []
+    monkeypatch.setattr(cluster_launch, "applies", lambda *args: True)
+    monkeypatch.setattr(cluster_launch, "row_stats_cluster", lambda *args: taken.append("cluster"))
+    monkeypatch.setattr(launch, "row_stats_launch", lambda *args: taken.append("triton"))
+    x = torch.zeros(rows, 64)
+    out = torch.empty(rows)
+    launch.row_stats(x, None, 0, None, 1.0, 40, False, out, out, out, None, None, cfg)
+    assert taken[-1] == ("cluster" if eager else "triton") and len(set(taken)) == 1
 
 
 def test_a_compile_error_names_the_kernel_and_shows_the_log():
@@ -389,8 +415,9 @@ def test_calls_the_cluster_forward_cannot_take_keep_the_triton_bits():
 @needs_hopper
 def test_rollout_plans_take_the_cluster_forward_with_the_triton_bits(monkeypatch):
     """A rollout's calls (`logprobs`, `column_logprobs`, `full_logprobs`) repeated with new logits of one
-    signature (a decode loop) bind the cluster launch as their plans when the engine's `cluster_rows` asks
-    for it: every call launches it and gives the Triton bits."""
+    signature (a decode loop) bind the cluster launch as their plans (eager calls take it from
+    `cluster_rows_eager` rows, 1 by default): every call launches it and gives the Triton bits (the calls
+    with `cluster_rows` 0)."""
     import rl_logp
     from rl_logp import rollout_calls
     from rl_logp.engines import make_engine
@@ -412,13 +439,14 @@ def test_rollout_plans_take_the_cluster_forward_with_the_triton_bits(monkeypatch
             steps = [(model_like_logits(64, 151936, torch.bfloat16, "cuda", seed=s),
                       torch.randint(-1, 151937, (64, 21), generator=torch.Generator().manual_seed(s)).cuda())
                      for s in range(4)]
-            want = [call(x, ids, temperature) for x, ids in steps]
-            engine.config = dataclasses.replace(saved, cluster_rows=32)
+            engine.config = dataclasses.replace(saved, cluster_rows=0)
             try:
-                launches.clear()
-                got = [call(x, ids, temperature) for x, ids in steps]
+                want = [call(x, ids, temperature) for x, ids in steps]
             finally:
                 engine.config = saved
+            rollout_calls.clear()
+            launches.clear()
+            got = [call(x, ids, temperature) for x, ids in steps]
             assert len(launches) == len(steps) and len(rollout_calls._plans) == 1, name
             assert all(mismatches(a, b) == 0 for a, b in zip(got, want, strict=True)), (name, temperature)
     rollout_calls.clear()

@@ -4,6 +4,7 @@ run under TRITON_INTERPRET=1 on the CPU (where the interpreter's numpy exp is no
 compare the kernel's variants with each other, and with chunked only within a few ulps)."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -37,11 +38,32 @@ FUSED_DEVICES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def triton_forward(monkeypatch):
+    """These are the Triton kernels' tests: every fused engine (the public functions' too) with the cluster
+    forward off (`LaunchConfig.cluster_rows` 0), which eager calls of a GPU with clusters would otherwise
+    take at any size where it applies; `test_cluster_forward.py` holds it to these kernels' bits."""
+    if triton is None:
+        yield
+        return
+    from rl_logp import rollout_calls
+    from rl_logp.engines import make_engine
+    from rl_logp.engines.fused import TUNING_VARIABLE
+
+    monkeypatch.setenv(TUNING_VARIABLE, '{"cluster_rows": 0}')
+    make_engine.cache_clear()
+    rollout_calls.clear()
+    yield
+    make_engine.cache_clear()
+    rollout_calls.clear()
+
+
 def _kernels():
+    """The fused engine's class, its launch configuration with the cluster forward off, the fixed point."""
     from rl_logp.engines import fused
     from rl_logp.kernels import fixed_point, launch
 
-    return fused.FusedEngine, launch.LaunchConfig, fixed_point
+    return fused.FusedEngine, functools.partial(launch.LaunchConfig, cluster_rows=0), fixed_point
 
 
 def _all_stats(engine, x, temp, labels, bits=40):

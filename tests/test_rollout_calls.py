@@ -72,14 +72,15 @@ def test_repeated_calls_take_the_plan_and_give_the_ordinary_bits(ordinary_calls,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_plans_through_the_driver_give_the_ordinary_bits(ordinary_calls, dtype, monkeypatch):
     """With `LaunchConfig.driver` the plans launch Triton's compiled kernel through the CUDA driver
-    (`launcher.DriverLaunch`): the ordinary path's bits for every call, temperature and batch."""
+    (`launcher.DriverLaunch`): the ordinary path's bits for every call, temperature and batch (the cluster
+    forward off, `cluster_rows` 0: at any size its eager calls would take its own launch)."""
     from rl_logp.kernels import launcher
 
     launches, through = [], launcher.DriverLaunch.__call__
     monkeypatch.setattr(launcher.DriverLaunch, "__call__", lambda self, *a: launches.append(1) or through(self, *a))
     engine = make_engine("fused", rl_logp.resolve_config(None).chunk_bytes)
     saved = engine.config
-    engine.config = dataclasses.replace(saved, driver=True)
+    engine.config = dataclasses.replace(saved, driver=True, cluster_rows=0)
     try:
         for n in (1, 4, 64):
             for seed in range(3):
