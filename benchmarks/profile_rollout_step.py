@@ -3,9 +3,12 @@ one `bench_rollout` setting on each side, then the functions whose own time per 
 the sides (patched minus unpatched: what the patch adds or removes), and each side's functions with the
 most time of their own. First each side's host time per step without the profiler, medians over alternating
 rounds (each step issued after the previous one finished, as `bench_rollout` times it, and back to back), for
-three sides: unpatched, patched, and patched with rl-logp's scoring calls (`full_logprobs`,
+five sides: unpatched, patched, and patched with rl-logp's scoring calls (`full_logprobs`,
 `column_logprobs`) answered by torch's log_softmax instead (the rest of the patch alone: what the
-adapter's wrappers cost beside the call); then the scoring call alone, rl-logp's against vLLM's
+adapter's wrappers cost beside the call), by an uninitialised output of the same shape (what the step
+costs around a call that only allocates), or by rl-logp's own calls with their plans' kernel launch
+skipped (the call's Python and allocation in the step, without the launch; these two leave their
+outputs unwritten, for timing only); then the scoring call alone, rl-logp's against vLLM's
 `log_softmax(dim=-1, dtype=float32)`, on the step's logits. Then each torch op's own host time per step
 under torch.profiler, patched minus unpatched (do vLLM's own ops cost more in the patched step?), and the
 cProfile of both sides.
@@ -39,7 +42,7 @@ from bench_rollout import Setting, Step
 
 import rl_logp
 
-SIDES = ("unpatched", "patched", "patched, torch scores")
+SIDES = ("unpatched", "patched", "patched, torch scores", "patched, empty scores", "patched, no launch")
 
 
 def _sync(device: torch.device) -> None:
@@ -53,15 +56,28 @@ def _torch_scores(logits: torch.Tensor, columns: torch.Tensor | None = None, **_
     return scores if columns is None else scores.gather(-1, columns.long())
 
 
+def _empty_scores(logits: torch.Tensor, columns: torch.Tensor | None = None, **_: object) -> torch.Tensor:
+    """The scoring call's output, allocated and left unwritten."""
+    shape = logits.shape if columns is None else columns.shape
+    return torch.empty(shape, dtype=torch.float32, device=logits.device)
+
+
 @contextlib.contextmanager
 def side_scope(side: str, backend: str) -> Iterator[None]:
-    """"unpatched", "patched" (`bench_rollout.side_scope`'s two sides), or "patched, torch scores" (rl-logp's
-    scoring calls answered by torch)."""
+    """"unpatched", "patched" (`bench_rollout.side_scope`'s two sides), "patched, torch scores" (rl-logp's
+    scoring calls answered by torch), "patched, empty scores" (by an unwritten output) or "patched, no
+    launch" (rl-logp's calls whose plans launch nothing: a plan's bound launch answers True at once)."""
     with bench_rollout.side_scope(side != "unpatched", argparse.Namespace(backend=backend, driver=False)), \
             contextlib.ExitStack() as stack:
-        if side == "patched, torch scores":
+        answer = {"patched, torch scores": _torch_scores, "patched, empty scores": _empty_scores}.get(side)
+        if answer is not None:
             for name in ("full_logprobs", "column_logprobs"):
-                stack.enter_context(mock.patch.object(rl_logp, name, _torch_scores))
+                stack.enter_context(mock.patch.object(rl_logp, name, answer))
+        if side == "patched, no launch":
+            from rl_logp.kernels import cluster_launch, launcher
+
+            for bound in (cluster_launch.ClusterLaunch, launcher.BoundLaunch):
+                stack.enter_context(mock.patch.object(bound, "__call__", lambda self, tensors: True))
         yield
 
 

@@ -183,17 +183,19 @@ def test_bench_linear_smoke(tmp_path):
 
 
 def test_profile_rollout_step_isolates_the_scoring_call():
-    """The host profile of a V1 step times its three sides and the two scoring calls alone, and its third
-    side is the patched step with rl-logp's scoring calls answered by torch's log_softmax: inside it the
-    adapter is applied and `rl_logp.full_logprobs` / `column_logprobs` give log_softmax's values, and
-    leaving it restores both functions and removes the patch."""
+    """The host profile of a V1 step times its five sides and the two scoring calls alone; its third side is
+    the patched step with rl-logp's scoring calls answered by torch's log_softmax: inside it the adapter is
+    applied and `rl_logp.full_logprobs` / `column_logprobs` give log_softmax's values; its fourth by an
+    fp32 output of their shape; in its fifth the plans' bound launches launch nothing; leaving each
+    restores what it replaced and removes the patch."""
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_rollout_step.py"), "--device", "cpu",
                           "--vocab", "1031", "--batch", "4", "--steps", "6", "--rounds", "2", "--top", "3"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     timed = re.findall(r"^  (.+?) +(\d+\.\d) +(\d+\.\d)$", run.stdout, re.M)
-    assert [name for name, *_ in timed] == ["unpatched", "patched", "patched, torch scores",
-                                            "rl_logp.full_logprobs alone", "torch log_softmax alone"], run.stdout
+    assert [name for name, *_ in timed] == ["unpatched", "patched", "patched, torch scores", "patched, empty scores",
+                                            "patched, no launch", "rl_logp.full_logprobs alone",
+                                            "torch log_softmax alone"], run.stdout
     assert all(float(a) > 0 and float(b) > 0 for _, a, b in timed)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
@@ -211,6 +213,18 @@ def test_profile_rollout_step_isolates_the_scoring_call():
         assert torch.equal(rl_logp.full_logprobs(x), x.log_softmax(dim=-1))
         assert torch.equal(rl_logp.column_logprobs(x, ids), x.log_softmax(dim=-1).gather(-1, ids))
     assert rl_logp.full_logprobs is full and rl_logp.column_logprobs is columns and not adapter.active_patches()
+    with profile.side_scope("patched, empty scores", "auto"):
+        got = rl_logp.column_logprobs(x, ids)
+        assert adapter.active_patches() and got.shape == ids.shape and got.dtype == torch.float32
+        assert rl_logp.full_logprobs(x).shape == x.shape
+    assert rl_logp.full_logprobs is full and rl_logp.column_logprobs is columns and not adapter.active_patches()
+    from rl_logp.kernels import cluster_launch, launcher
+
+    bound = (cluster_launch.ClusterLaunch.__call__, launcher.BoundLaunch.__call__)
+    with profile.side_scope("patched, no launch", "auto"):
+        assert adapter.active_patches() and rl_logp.full_logprobs is full
+        assert cluster_launch.ClusterLaunch.__call__(None, [x]) and launcher.BoundLaunch.__call__(None, [x])
+    assert (cluster_launch.ClusterLaunch.__call__, launcher.BoundLaunch.__call__) == bound
     with profile.side_scope("patched", "auto"):
         assert rl_logp.full_logprobs is full and adapter.active_patches()
 
