@@ -61,7 +61,7 @@ class LaunchConfig:
     split_rows: `row_stats` runs the split plan for at most this many rows (0: never) when the launches are
     captured in a CUDA graph, where they cost no host time at replay (eager, each of its two or three
     launches costs host time that a rollout-size call cannot spare, docs/performance.md), or always with
-    split_eager; split: programs per row in it (0: enough to give each SM `split_per_sm` programs; at most
+    split_eager (where the cluster forward, which comes first, is not taken); split: programs per row in it (0: enough to give each SM `split_per_sm` programs; at most
     one per tile either way); ftz:
     libdevice's flush-to-zero `exp` (torch's CUDA `exp` is not flushed: False keeps subnormal results the
     same bits); grad_block, grad_warps: the backward's tile and warps (its general path works in sub-tiles
