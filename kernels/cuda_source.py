@@ -79,9 +79,11 @@ def compile_cubin(source: str, name: str, arch: str, options: Sequence[str]) -> 
         lib.nvrtcDestroyProgram(ctypes.byref(program))
 
 
-@functools.lru_cache(maxsize=1)
-def _driver() -> ctypes.CDLL:
-    cuda = ctypes.CDLL("libcuda.so.1")
+def driver_library(loader: type[ctypes.CDLL] = ctypes.CDLL) -> ctypes.CDLL:
+    """libcuda loaded through `loader` (`ctypes.CDLL` releases the GIL around each call, `ctypes.PyDLL`
+    holds it, as torch's own launches do), the argument types of the functions used here set, the driver
+    initialised."""
+    cuda = loader("libcuda.so.1")
     pointer = ctypes.POINTER(ctypes.c_void_p)
     cuda.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     cuda.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
@@ -97,6 +99,11 @@ def _driver() -> ctypes.CDLL:
         ctypes.c_void_p, pointer, ctypes.c_void_p]
     _raise_on(cuda, cuda.cuInit(0), "initialisation")
     return cuda
+
+
+@functools.lru_cache(maxsize=1)
+def _driver() -> ctypes.CDLL:
+    return driver_library()
 
 
 def _raise_on(cuda: ctypes.CDLL, result: int, what: str) -> None:
