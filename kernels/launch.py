@@ -61,8 +61,8 @@ class LaunchConfig:
     split_rows: `row_stats` runs the split plan for at most this many rows (0: never) when the launches are
     captured in a CUDA graph, where they cost no host time at replay (eager, each of its two or three
     launches costs host time that a rollout-size call cannot spare, docs/performance.md), or always with
-    split_eager (where the cluster forward, which comes first, is not taken); split: programs per row in it (0: enough to give each SM `split_per_sm` programs; at most
-    one per tile either way); ftz:
+    split_eager (where the cluster forward, which comes first, is not taken); split: programs per row in
+    it (0: enough to give each SM `split_per_sm` programs; at most one per tile either way); ftz:
     libdevice's flush-to-zero `exp` (torch's CUDA `exp` is not flushed: False keeps subnormal results the
     same bits); grad_block, grad_warps: the backward's tile and warps (its general path works in sub-tiles
     of four columns per thread, `grad_sub`); cluster_rows: `row_stats` calls captured in a CUDA graph of
@@ -70,9 +70,10 @@ class LaunchConfig:
     applies (0: no call takes it, eager or captured; a call it does not apply to takes the Triton kernels,
     the same bits; 256: on an H100 it took less GPU time from 256 rows on, the Triton kernels at 1-64,
     `h100_calls_rollout*.json`, and GPU time is what a replay costs); cluster_rows_eager: the same for
-    eager calls (1: every size; an eager call of a few rows costs its host time more than its GPU time,
-    and the cluster launch through the driver costs less of it: vLLM's V1 steps at 8 and 64 rows were
-    faster with it, `h100_rollout_vllm_0.24.0_v1_n0*.json`);
+    eager calls (0: none; 1: every size, where an eager call costs its host time more than its GPU time
+    and the cluster launch through the driver costs less of it: on an H100 vLLM's V1 steps at 64 rows
+    were 0.88-0.98x of unpatched with it against 0.96-1.11x from 256 rows, at 1-8 rows the same,
+    `h100_rollout_vllm_0.24.0_v1_eager{1,256}.json`);
     cluster_threads, cluster_slice_bytes: its threads per block (whole warps, at most 1024) and the most
     bytes of a row one block holds; cluster_wait_ns: the suspend-time hint of its blocks' wait for their
     slice (0: none, the hardware's own limit between polls; at most 2^32 - 1); driver: the rollout plans'
