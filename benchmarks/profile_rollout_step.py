@@ -3,15 +3,12 @@ one `bench_rollout` setting on each side, then the functions whose own time per 
 the sides (patched minus unpatched: what the patch adds or removes), and each side's functions with the
 most time of their own. First each side's host time per step without the profiler, medians over alternating
 rounds (each step issued after the previous one finished, as `bench_rollout` times it, and back to back), for
-six sides: unpatched, patched, and patched with rl-logp's scoring calls (`full_logprobs`,
+five sides: unpatched, patched, and patched with rl-logp's scoring calls (`full_logprobs`,
 `column_logprobs`) answered by torch's log_softmax instead (the rest of the patch alone: what the
 adapter's wrappers cost beside the call), by an uninitialised output of the same shape (what the step
 costs around a call that only allocates), or by rl-logp's own calls with their plans' kernel launch
 skipped (the call's Python and allocation in the step, without the launch; these two leave their
-outputs unwritten, for timing only), or with rl-logp's driver launches (`kernels.cuda_source`) through
-a `ctypes.PyDLL` handle of libcuda, which holds the GIL during the call as torch's launches do (ctypes'
-default releases it; on a machine without CUDA there is no driver launch to change); then the scoring
-call alone, rl-logp's against vLLM's
+outputs unwritten, for timing only); then the scoring call alone, rl-logp's against vLLM's
 `log_softmax(dim=-1, dtype=float32)`, on the step's logits. Then each torch op's own host time per step
 under torch.profiler, patched minus unpatched (do vLLM's own ops cost more in the patched step?), and the
 cProfile of both sides.
@@ -45,8 +42,7 @@ from bench_rollout import Setting, Step
 
 import rl_logp
 
-SIDES = ("unpatched", "patched", "patched, torch scores", "patched, empty scores", "patched, no launch",
-         "patched, GIL held")
+SIDES = ("unpatched", "patched", "patched, torch scores", "patched, empty scores", "patched, no launch")
 
 
 def _sync(device: torch.device) -> None:
@@ -66,22 +62,11 @@ def _empty_scores(logits: torch.Tensor, columns: torch.Tensor | None = None, **_
     return torch.empty(shape, dtype=torch.float32, device=logits.device)
 
 
-@functools.cache
-def _driver_holding_the_gil():
-    """libcuda as `kernels.cuda_source` uses it, through `ctypes.PyDLL` (the GIL held during each call)."""
-    import ctypes
-
-    from rl_logp.kernels import cuda_source
-
-    return cuda_source.driver_library(ctypes.PyDLL)
-
-
 @contextlib.contextmanager
 def side_scope(side: str, backend: str) -> Iterator[None]:
     """"unpatched", "patched" (`bench_rollout.side_scope`'s two sides), "patched, torch scores" (rl-logp's
     scoring calls answered by torch), "patched, empty scores" (by an unwritten output) or "patched, no
-    launch" (rl-logp's calls whose plans launch nothing: a plan's bound launch answers True at once) or
-    "patched, GIL held" (rl-logp's driver calls through `ctypes.PyDLL`, where CUDA is available)."""
+    launch" (rl-logp's calls whose plans launch nothing: a plan's bound launch answers True at once)."""
     with bench_rollout.side_scope(side != "unpatched", argparse.Namespace(backend=backend, driver=False)), \
             contextlib.ExitStack() as stack:
         answer = {"patched, torch scores": _torch_scores, "patched, empty scores": _empty_scores}.get(side)
@@ -93,10 +78,6 @@ def side_scope(side: str, backend: str) -> Iterator[None]:
 
             for bound in (cluster_launch.ClusterLaunch, launcher.BoundLaunch):
                 stack.enter_context(mock.patch.object(bound, "__call__", lambda self, tensors: True))
-        if side == "patched, GIL held" and torch.cuda.is_available():
-            from rl_logp.kernels import cuda_source
-
-            stack.enter_context(mock.patch.object(cuda_source, "_driver", _driver_holding_the_gil))
         yield
 
 

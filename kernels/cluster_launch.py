@@ -109,11 +109,11 @@ class ClusterLaunch:
     the outputs asked for): the variant, grid and scalar arguments worked out once. `run(params)` launches
     it (`cuda_source.parameters(self.args)`: over the tensors it was built with); called as a plan's bound
     launch (`launch.bind_row_stats`), `self(tensors)` launches it over new tensors of the same signature,
-    (x, labels, out_logp) or (x, out_full), each thread from parameters of its own (`self.parameters`), and
+    (x, labels, out_logp) or (x, out_full), through `self.kernel` (a `cuda_source.BoundKernel`), and
     returns True, or returns False launching nothing where x or out_full is not 16-byte aligned (the bulk
     copies and vector stores need it) or another device is current. The caller makes x's device current."""
 
-    __slots__ = ("args", "device", "function", "grid", "parameters", "shared", "threads")
+    __slots__ = ("args", "device", "function", "grid", "kernel", "shared", "threads")
 
     def __init__(self, x: torch.Tensor, labels: torch.Tensor | None, t_scalar: float | None, entropy: bool,
                  outs: tuple[torch.Tensor | None, ...], out_full: torch.Tensor | None, threads: int,
@@ -132,8 +132,9 @@ class ClusterLaunch:
                      ctypes.c_int64(0 if out_full is None else out_full.stride(0)), ctypes.c_int32(vocab),
                      ctypes.c_int32(width)]
         # The places of a bound call's tensors: x, then labels if given, then its one output.
-        self.parameters = cuda_source.BoundParameters(
-            self.args, (0, *((2,) if labels is not None else ()), 10 if out_full is not None else 8))
+        self.kernel = cuda_source.BoundKernel(
+            self.function.handle, self.function.context, (self.grid, 1, 1), threads, self.shared, self.args,
+            (0, *((2,) if labels is not None else ()), 10 if out_full is not None else 8))
 
     def run(self, params: ctypes.Array) -> None:
         """One launch with `params` (`cuda_source.parameters(self.args)`, or a bound call's)."""
@@ -142,9 +143,10 @@ class ClusterLaunch:
                              params)
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> bool:
-        if tensors[0].data_ptr() & 15 or tensors[-1].data_ptr() & 15 or torch.cuda.current_device() != self.device:
+        pointers = [t.data_ptr() for t in tensors]
+        if pointers[0] & 15 or pointers[-1] & 15 or torch.cuda.current_device() != self.device:
             return False
-        self.run(self.parameters.array([t.data_ptr() for t in tensors]))
+        self.kernel(torch._C._cuda_getCurrentRawStream(self.device), pointers)
         return True
 
 

@@ -4,10 +4,10 @@ driver, all through ctypes (no build step, no extension module).
 `compile_cubin` needs only NVRTC, no GPU: it runs on a CPU-only machine as well (the compile tests). NVRTC
 is found in the `nvidia` wheels' directories (`nvidia-cuda-nvrtc`, which CUDA builds of torch install)
 or on the loader's path. `Function` (a kernel loaded into a device's primary context, torch's), its
-`launch` and `launch_kernel` (which `launcher.DriverLaunch` also uses for Triton's compiled kernels) need
-a GPU; they make that context current where it is not (a thread that has not used the
-device yet) and load with this thread's stream-capture mode relaxed, so that a first use inside a
-CUDA-graph capture works.
+`launch` and `launch_kernel`, and `BoundKernel` (the repeated launch of a plan: the cluster forward's,
+and `launcher.DriverLaunch`'s of Triton's compiled kernels) need a GPU; they make that context current
+where it is not (a thread that has not used the device yet) and load with this thread's stream-capture
+mode relaxed, so that a first use inside a CUDA-graph capture works.
 """
 
 from __future__ import annotations
@@ -79,11 +79,9 @@ def compile_cubin(source: str, name: str, arch: str, options: Sequence[str]) -> 
         lib.nvrtcDestroyProgram(ctypes.byref(program))
 
 
-def driver_library(loader: type[ctypes.CDLL] = ctypes.CDLL) -> ctypes.CDLL:
-    """libcuda loaded through `loader` (`ctypes.CDLL` releases the GIL around each call, `ctypes.PyDLL`
-    holds it, as torch's own launches do), the argument types of the functions used here set, the driver
-    initialised."""
-    cuda = loader("libcuda.so.1")
+def driver_library() -> ctypes.CDLL:
+    """libcuda, the argument types of the functions used here set, the driver initialised."""
+    cuda = ctypes.CDLL("libcuda.so.1")
     pointer = ctypes.POINTER(ctypes.c_void_p)
     cuda.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     cuda.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
@@ -104,6 +102,14 @@ def driver_library(loader: type[ctypes.CDLL] = ctypes.CDLL) -> ctypes.CDLL:
 @functools.lru_cache(maxsize=1)
 def _driver() -> ctypes.CDLL:
     return driver_library()
+
+
+@functools.lru_cache(maxsize=1)
+def _launch_driver() -> ctypes.CDLL:
+    """libcuda (initialised) with no argument types set: `BoundKernel` passes ctypes objects of the driver's
+    exact types only, which ctypes hands on without converting each (about a microsecond less a launch)."""
+    _driver()
+    return ctypes.CDLL("libcuda.so.1")
 
 
 def _raise_on(cuda: ctypes.CDLL, result: int, what: str) -> None:
@@ -181,27 +187,48 @@ def parameters(args: Sequence[ctypes._SimpleCData]) -> ctypes.Array:
     return (ctypes.c_void_p * len(args))(*map(ctypes.addressof, args))
 
 
-class BoundParameters:
-    """A launch's parameter values of which the pointers at `slots` change at every call (a repeated
-    launch's new tensors): `array(pointers)` gives this thread's parameter array holding them. Each thread
-    has an array of its own, built at its first call, so threads launching at once never share one."""
+class BoundKernel:
+    """Repeated launches of one loaded kernel (`function`, a CUfunction of `context`) with a fixed grid,
+    block (`block` threads), dynamic shared memory and parameter `values` (ctypes values of the kernel's
+    parameter types), of which the pointers at `slots` change at every call: `self(stream, pointers)`
+    launches it on `stream` with `pointers` in those places (nothing for an empty grid), `context` made
+    current where it is not. The driver's arguments are built once per thread, at its first call, as ctypes
+    objects of the driver's exact types (`_launch_driver`: no conversion per argument), so threads launching
+    at once never share them."""
 
-    __slots__ = ("local", "slots", "values")
+    __slots__ = ("context", "dims", "empty", "function", "local", "slots", "values")
 
-    def __init__(self, values: Sequence[ctypes._SimpleCData], slots: Sequence[int]) -> None:
+    def __init__(self, function: int | ctypes.c_void_p, context: int, grid: tuple[int, int, int], block: int,
+                 shared: int, values: Sequence[ctypes._SimpleCData], slots: Sequence[int]) -> None:
+        self.function = function.value if isinstance(function, ctypes.c_void_p) else function
+        self.context, self.dims, self.empty = context, (*grid, block, 1, 1, shared), not all(grid)
         self.values, self.slots, self.local = list(values), tuple(slots), threading.local()
 
-    def array(self, pointers: Sequence[int]) -> ctypes.Array:
-        own = getattr(self.local, "own", None)
-        if own is None:
-            held = [ctypes.c_uint64() for _ in self.slots]
-            values = list(self.values)
-            for at, value in zip(self.slots, held, strict=True):
-                values[at] = value
-            own = self.local.own = held, parameters(values), values  # the values outlive the array
-        for value, pointer in zip(own[0], pointers, strict=True):
+    def _own(self) -> tuple:
+        held = [ctypes.c_uint64() for _ in self.slots]
+        values = list(self.values)
+        for at, value in zip(self.slots, held, strict=True):
+            values[at] = value
+        stream, now = ctypes.c_void_p(), ctypes.c_void_p()
+        args = (ctypes.c_void_p(self.function), *map(ctypes.c_uint, self.dims), stream, parameters(values), None)
+        own = self.local.own = (held, stream, args, now, ctypes.byref(now), values)  # the values outlive the array
+        return own
+
+    def __call__(self, stream: int, pointers: Sequence[int]) -> None:
+        if self.empty:
+            return
+        own = getattr(self.local, "own", None) or self._own()
+        held, stream_arg, args, now, now_ref = own[:5]
+        for value, pointer in zip(held, pointers, strict=True):
             value.value = pointer
-        return own[1]
+        stream_arg.value = stream
+        cuda = _launch_driver()
+        cuda.cuCtxGetCurrent(now_ref)
+        if now.value == self.context:
+            _check(cuda.cuLaunchKernel(*args), "launch")
+            return
+        with current(self.context):
+            _check(cuda.cuLaunchKernel(*args), "launch")
 
 
 def launch_kernel(function: int | ctypes.c_void_p, context: int, grid: tuple[int, int, int], block: int, shared: int,

@@ -302,23 +302,20 @@ def driver_values(compiled: Any, args: Sequence[Any]) -> list | None:
 
 
 class DriverLaunch:
-    """A compiled Triton kernel's launch through the CUDA driver (`cuda_source.launch_kernel`) with the
-    parameters `driver_values` packed, the tensors of `slots` replaced at each call
-    (`cuda_source.BoundParameters`): the grid, block (32 threads a warp), dynamic shared memory and
-    parameters Triton's launcher would pass."""
+    """A compiled Triton kernel's launch through the CUDA driver (a `cuda_source.BoundKernel`) with the
+    parameters `driver_values` packed, the tensors of `slots` replaced at each call: the grid, block (32
+    threads a warp), dynamic shared memory and parameters Triton's launcher would pass (an empty grid
+    launches nothing, as Triton's launcher does)."""
 
-    __slots__ = ("block", "context", "function", "grid", "parameters", "shared")
+    __slots__ = ("kernel",)
 
     def __init__(self, compiled: Any, function: int, grid: tuple[int, ...], values: list, slots: Sequence[int],
                  device: int) -> None:
         n = len(grid)
-        self.grid = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
-        self.block, self.shared = 32 * compiled.metadata.num_warps, compiled.metadata.shared
-        self.function, self.context = function, cuda_source.primary_context(device)
         passed = [i for i, ty in enumerate(compiled.src.signature.values()) if ty != "constexpr"]
-        self.parameters = cuda_source.BoundParameters(values, [passed.index(s) for s in slots])
+        self.kernel = cuda_source.BoundKernel(
+            function, cuda_source.primary_context(device), (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1),
+            32 * compiled.metadata.num_warps, compiled.metadata.shared, values, [passed.index(s) for s in slots])
 
     def __call__(self, stream: int, tensors: Sequence[torch.Tensor]) -> None:
-        params = self.parameters.array([t.data_ptr() for t in tensors])
-        if self.grid[0] and self.grid[1] and self.grid[2]:  # Triton's launcher launches no empty grid
-            cuda_source.launch_kernel(self.function, self.context, self.grid, self.block, self.shared, stream, params)
+        self.kernel(stream, [t.data_ptr() for t in tensors])

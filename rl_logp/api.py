@@ -36,6 +36,9 @@ class Options:
 
 
 def _config(opts: Options) -> LogpConfig:
+    if (type(opts.config) is LogpConfig and opts.backend is None and opts.chunk_bytes is None
+            and opts.fixed_point_bits is None and opts.strict is None):
+        return opts.config  # what resolve_config returns for it, without the call (a rollout's every step)
     return resolve_config(opts.config, backend=opts.backend, chunk_bytes=opts.chunk_bytes,
                           fixed_point_bits=opts.fixed_point_bits, strict=opts.strict)
 

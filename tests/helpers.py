@@ -235,6 +235,32 @@ class FakeDriver:
         return 0
 
 
+    def untyped(self) -> UntypedDriver:
+        """This model as `cuda_source._launch_driver` gives the driver: no argument types set."""
+        return UntypedDriver(self)
+
+
+class UntypedDriver:
+    """A `FakeDriver` called as libcuda without argument types (`cuda_source._launch_driver`): every argument
+    must be a ctypes object of the driver's exact type (checked; ctypes would pass a Python int as a C int),
+    which the model then reads as the typed calls' values."""
+
+    LAUNCH_TYPES = (ctypes.c_void_p, *(ctypes.c_uint,) * 7, ctypes.c_void_p)
+
+    def __init__(self, fake: FakeDriver) -> None:
+        self.fake = fake
+
+    def cuCtxGetCurrent(self, ref):
+        assert type(ref._obj) is ctypes.c_void_p
+        return self.fake.cuCtxGetCurrent(ref)
+
+    def cuLaunchKernel(self, *args):
+        assert len(args) == 11 and [type(a) for a in args[:9]] == list(self.LAUNCH_TYPES), args
+        assert isinstance(args[9], ctypes.Array) and args[9]._type_ is ctypes.c_void_p and args[10] is None
+        handle, *dims, stream, params, extra = args
+        return self.fake.cuLaunchKernel(handle.value, *(d.value for d in dims), stream.value or 0, params, extra)
+
+
 _C_FORMATS = {"CUdeviceptr": "<Q", "int8_t": "<b", "int16_t": "<h", "int32_t": "<i", "int64_t": "<q",
               "uint8_t": "<B", "uint16_t": "<H", "uint32_t": "<I", "uint64_t": "<Q"}
 

@@ -183,19 +183,18 @@ def test_bench_linear_smoke(tmp_path):
 
 
 def test_profile_rollout_step_isolates_the_scoring_call():
-    """The host profile of a V1 step times its six sides and the two scoring calls alone; its third side is
+    """The host profile of a V1 step times its five sides and the two scoring calls alone; its third side is
     the patched step with rl-logp's scoring calls answered by torch's log_softmax: inside it the adapter is
     applied and `rl_logp.full_logprobs` / `column_logprobs` give log_softmax's values; its fourth by an
     fp32 output of their shape; in its fifth the plans' bound launches launch nothing; leaving each
-    restores what it replaced and removes the patch (the sixth, the driver through `ctypes.PyDLL`, needs
-    CUDA: on the CPU it is the patched step)."""
+    restores what it replaced and removes the patch."""
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_rollout_step.py"), "--device", "cpu",
                           "--vocab", "1031", "--batch", "4", "--steps", "6", "--rounds", "2", "--top", "3"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     timed = re.findall(r"^  (.+?) +(\d+\.\d) +(\d+\.\d)$", run.stdout, re.M)
     assert [name for name, *_ in timed] == ["unpatched", "patched", "patched, torch scores", "patched, empty scores",
-                                            "patched, no launch", "patched, GIL held", "rl_logp.full_logprobs alone",
+                                            "patched, no launch", "rl_logp.full_logprobs alone",
                                             "torch log_softmax alone"], run.stdout
     assert all(float(a) > 0 and float(b) > 0 for _, a, b in timed)
     sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -127,6 +127,7 @@ def driver(monkeypatch):
     def use(**state):
         fake = FakeDriver(**state)
         monkeypatch.setattr(cuda_source, "_driver", lambda: fake)
+        monkeypatch.setattr(cuda_source, "_launch_driver", fake.untyped)
         cuda_source.primary_context.cache_clear()
         return fake
 
@@ -149,6 +150,27 @@ def test_a_kernel_loads_and_launches_in_the_devices_primary_context(driver, curr
     function.launch(12, 256, 4096, 0x5, cuda_source.parameters([ctypes.c_int32(3)]))
     assert fake.events[-1] == ("launch", primary, 12, 256, 4096, 0x5)
     assert (fake.current, fake.mode, fake.stack) == (current, 0, [])
+
+
+@pytest.mark.parametrize("current", [None, FakeDriver.PRIMARY + 1, 0xBEEF], ids=["no context", "primary", "another"])
+def test_a_bound_kernel_launches_each_calls_pointers_in_the_primary_context(driver, current):
+    """`BoundKernel`, a plan's repeated launch: each call launches in the device's primary context (the
+    thread's context as it was after it) on the call's stream, with the call's pointers in the bound slots
+    and the other parameters as bound, the driver's arguments ctypes objects of its exact types (the
+    untyped model checks them); an empty grid launches nothing."""
+    fake = driver(current=current)
+    function = cuda_source.Function(b"cubin", "kernel", 98304, 1)
+    values = [ctypes.c_void_p(0x10), ctypes.c_int32(-7), ctypes.c_void_p(0x20)]
+    kernel = cuda_source.BoundKernel(function.handle, function.context, (12, 2, 1), 256, 98304, values, (0, 2))
+    fake.param_sizes = [8, 4, 8]
+    for stream, pointers in ((0x5, (0x100, 0x200)), (0, (0x300, 0x400))):
+        kernel(stream, pointers)
+        want = [pointers[0].to_bytes(8, "little"), struct.pack("<i", -7), pointers[1].to_bytes(8, "little")]
+        assert fake.launched[-1] == (0x2000, (12, 2, 1), (256, 1, 1), 98304, stream, want)
+        assert fake.events[-1][:2] == ("launch", FakeDriver.PRIMARY + 1)
+        assert (fake.current, fake.stack) == (current, [])
+    cuda_source.BoundKernel(function.handle, function.context, (0, 1, 1), 256, 98304, values, (0, 2))(0x5, (1, 2))
+    assert len(fake.launched) == 2
 
 
 def test_a_failed_load_names_the_driver_error_and_restores_the_thread(driver):
@@ -423,10 +445,12 @@ def test_rollout_plans_take_the_cluster_forward_with_the_triton_bits(monkeypatch
     from rl_logp.engines import make_engine
 
     engine = make_engine("fused", rl_logp.resolve_config(None).chunk_bytes)
-    launches = []
-    run = cluster_launch.ClusterLaunch.run
+    launches = []  # a call's launch (`ClusterLaunch.run`) and a plan's (its `BoundKernel`)
+    run, bound = cluster_launch.ClusterLaunch.run, cuda_source.BoundKernel.__call__
     monkeypatch.setattr(cluster_launch.ClusterLaunch, "run",
                         lambda self, params: launches.append(1) or run(self, params))
+    monkeypatch.setattr(cuda_source.BoundKernel, "__call__",
+                        lambda self, stream, pointers: launches.append(1) or bound(self, stream, pointers))
     saved = engine.config
     calls = {
         "logprobs": lambda x, ids, t: rl_logp.logprobs(x, ids[:, 0].contiguous(), backend="fused", temperature=t),

@@ -529,6 +529,7 @@ def test_bound_launch_through_the_driver_passes_what_tritons_launcher_would(monk
     monkeypatch.setattr(launcher_module, "driver", _Driver)
     fake = FakeDriver(current=None)  # a thread that has not used the device
     monkeypatch.setattr(cuda_source, "_driver", lambda: fake)
+    monkeypatch.setattr(cuda_source, "_launch_driver", fake.untyped)
     cuda_source.primary_context.cache_clear()
     kernel = JITFunction(_probe, do_not_specialize=["m"])
     triton_launches, compiled_kernels = [], []
@@ -580,6 +581,7 @@ def test_bound_launch_through_the_driver_on_several_threads(monkeypatch):
     monkeypatch.setattr(launcher_module, "driver", _Driver)
     fake = FakeDriver(current=FakeDriver.PRIMARY)
     monkeypatch.setattr(cuda_source, "_driver", lambda: fake)
+    monkeypatch.setattr(cuda_source, "_launch_driver", fake.untyped)
     cuda_source.primary_context.cache_clear()
     kernel = JITFunction(_probe, do_not_specialize=["m"])
 

@@ -59,11 +59,17 @@ CALLS = {  # each function with a plan: (logits, ids [n, 5]) -> its arguments
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("device", DEVICES)
 def test_repeated_calls_take_the_plan_and_give_the_ordinary_bits(ordinary_calls, device, dtype, temperature):
+    """Each function called again with new tensors of one signature takes its plan and gives the ordinary
+    path's bits, each output a new contiguous fp32 tensor (a plan allocates every call's own)."""
+    outs = []
     for seed in range(3):
         x, ids = _inputs(4, 5000, dtype, device, seed)
         for fn, args in CALLS.values():
             got = fn(*args(x, ids), backend="fused", temperature=temperature)
             assert torch.equal(bits(got), bits(_ordinary(fn, *args(x, ids), backend="fused", temperature=temperature)))
+            assert got.is_contiguous() and got.dtype == torch.float32
+            assert all(got.untyped_storage().data_ptr() != o.untyped_storage().data_ptr() for o in (*outs, x, ids))
+            outs.append(got)
     assert len(ordinary_calls) == 3 + 3 * 3  # the first call of each function and the references
     assert len(rollout_calls._plans) == 3
 
