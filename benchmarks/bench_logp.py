@@ -458,14 +458,16 @@ def stubbed_forward_launch():
 def run_overhead(args, device, report: Report) -> None:
     """Host time per call, the loop not waiting for the GPU: the pieces of a rollout-size `rl_logp.logprobs`
     (8 rows, T=0.7), and that call and the two vLLM's adapter makes at every decode step (`full_logprobs`,
-    `column_logprobs` of 21 ids) with their plans and on the ordinary path, beside torch's expressions; on
-    a GPU also the plans' launch alone (a BoundLaunch through Triton's launcher and through the CUDA driver)
-    and the three calls with plans bound through the driver (`LaunchConfig.driver`). On the CPU (the fused
+    `column_logprobs` of 21 ids) with their plans and on the ordinary path, beside torch's expressions, and
+    two pieces of a plan's call (its signature; its output's allocation, beside `torch.empty`); on a GPU
+    also the plans' launch alone (a BoundLaunch through Triton's launcher and through the CUDA driver, and
+    `full_logprobs`' bound cluster launch) and the three calls with plans bound through the driver
+    (`LaunchConfig.driver`). On the CPU (the fused
     kernels under the interpreter) the rollout calls run with the launch stubbed out."""
     from rl_logp import rollout_calls
     from rl_logp.engines import make_engine
     from rl_logp.engines.fused import _temperature_args
-    from rl_logp.kernels import launch
+    from rl_logp.kernels import cluster_launch, launch
     from rl_logp.request import prepare_inputs
 
     inputs, labels = make_inputs(8, args.vocab, device, 5)
@@ -481,6 +483,7 @@ def run_overhead(args, device, report: Report) -> None:
     grid, kernel_args, options = launch.forward_launch(x, labels, *temp, None, (None, None, None, out, None), (None, None),
                                                     40, False, 0, 0, launch_config)
     stubbed = " (launch stubbed)" if device.type != "cuda" else ""
+    prototype = torch.empty((), dtype=torch.float32, device=device).expand(x.shape)  # as `rollout_calls.Plan` holds
     fused = rl_logp.LogpConfig(backend="fused") if rl_logp.fused_runs_on(device) else cfg
     full = lambda: rl_logp.full_logprobs(x, config=fused)  # noqa: E731
     columns = lambda: rl_logp.column_logprobs(x, ids, config=fused)  # noqa: E731
@@ -495,6 +498,12 @@ def run_overhead(args, device, report: Report) -> None:
         "kernels.launch.row_stats (launch only)": (lambda: launch.row_stats(x, labels, *temp, 40, False, None, None,
                                                                             None, out, None, launch_config), None),
         "torch.empty(8)": (lambda: torch.empty(8, dtype=torch.float32, device=device), None),
+        "rollout_calls.signature (full_logprobs')": (lambda: rollout_calls.signature(("full", id(fused), None), x, None),
+                                                     None),
+        "torch.empty of [8, V] fp32 (the plans' output before)": (
+            lambda: torch.empty(x.shape, dtype=torch.float32, device=device), None),
+        "a plan's output, [8, V] fp32 (empty_like of its prototype)": (
+            lambda: torch.empty_like(prototype, memory_format=torch.contiguous_format), None),
         "the kernel's launch alone (kernel[grid](...))": (
             lambda: launch.row_stats_kernel[grid](*kernel_args, **options), None),
         "the kernel's launch alone (launcher.CachedLauncher)": (
@@ -515,6 +524,11 @@ def run_overhead(args, device, report: Report) -> None:
         for how, direct in (("Triton's launcher", False), ("the CUDA driver", True)):
             bound = launch.row_stats_launch.bind(grid, kernel_args, options, slots, direct=direct)
             pieces[f"the kernel's launch alone (BoundLaunch, {how})"] = (functools.partial(bound, (x, labels, out)), None)
+        full_out = rl_logp.full_logprobs(x, config=fused)
+        cluster = launch.bind_row_stats(x, None, launch.TEMP_NONE.value, 1.0, 40, None, launch_config, full_out)
+        if isinstance(cluster, cluster_launch.ClusterLaunch):  # where the cluster forward takes full_logprobs
+            pieces["full_logprobs' bound cluster launch alone (ClusterLaunch, cuda_source.BoundKernel)"] = (
+                functools.partial(cluster, (x, full_out)), None)
 
         @contextlib.contextmanager
         def driver_plans():

@@ -21,7 +21,10 @@ once per vLLM version. Paths (`--paths`):
 For batch 1, 8, 64, 256, 1024 x 151936, bf16 and fp32 logits, T 1.0 and 0.7, each step is timed
 unpatched and patched: CUDA time (events), wall time (synchronised before and after) and host time
 (until the step returns, not synchronised after), medians of --reps, taken in --rounds rounds that
-alternate unpatched and patched (a noisy host's drift hits both sides alike); with --driver a third side
+alternate unpatched and patched (a noisy host's drift hits both sides alike); with --behind-forward-ms F
+also the step's time behind a forward: issued right after a GPU kernel of F ms (`torch.cuda._sleep`,
+standing in for the model's forward, which vLLM's engine queues before its sampler), from that kernel's
+end to the step's end, where the host work the step's issue overlaps with the forward is not counted; with --driver a third side
 in the same rounds, the patched step with the plans' launches through the CUDA driver (`LaunchConfig.driver`,
 rows '<setting> [driver]'). Every row checks its outputs (the
 same check patched and unpatched; unpatched rows are the control: vLLM's own bits differ):
@@ -266,21 +269,49 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_samples(step: Step, reps: int, warmup: int, device: torch.device) -> dict[str, list[float]]:
-    """CUDA ms (none on the CPU), wall ms and host ms of `reps` steps after `warmup` untimed ones; the
-    inputs are restored outside the timings."""
-    samples: dict[str, list[float]] = {"cuda_ms": [], "wall_ms": [], "host_ms": []}
+def forward_cycles(ms: float) -> int:
+    """GPU clock cycles of `torch.cuda._sleep` that take about `ms` milliseconds on this GPU."""
+    probe = 10**6
+    torch.cuda._sleep(probe)  # a first call, untimed
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    stop.record()
+    torch.cuda.synchronize()
+    return max(1, round(probe * ms / start.elapsed_time(stop)))
+
+
+def cuda_ms(step: Step, forward: int = 0) -> float:
+    """CUDA ms of one step on restored inputs; with `forward` (GPU cycles) the step is issued right behind a
+    kernel that keeps the GPU busy that long and timed from that kernel's end."""
+    step.reset()
+    torch.cuda.synchronize()
+    if forward:
+        torch.cuda._sleep(forward)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop)
+
+
+def time_samples(step: Step, reps: int, warmup: int, device: torch.device, forward: int = 0) -> dict[str, list[float]]:
+    """CUDA ms (none on the CPU), wall ms and host ms of `reps` steps after `warmup` untimed ones; with
+    `forward` (GPU cycles, CUDA only) also `behind_forward_ms`: the step issued right after a kernel that
+    keeps the GPU busy that long (`torch.cuda._sleep`, standing in for the model's forward, which vLLM's
+    engine queues before its sampler), from the end of that kernel to the end of the step's last op, so
+    the host time the step's issue overlaps with the forward is not counted. The inputs are restored
+    outside the timings."""
+    samples: dict[str, list[float]] = {"cuda_ms": [], "wall_ms": [], "host_ms": [], "behind_forward_ms": []}
     for i in range(reps + warmup):
         if device.type == "cuda":
-            step.reset()
-            torch.cuda.synchronize()
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            stop.record()
-            torch.cuda.synchronize()
+            timed = cuda_ms(step)
+            behind = cuda_ms(step, forward) if forward else None
             if i >= warmup:
-                samples["cuda_ms"].append(start.elapsed_time(stop))
+                samples["cuda_ms"].append(timed)
+                if forward:
+                    samples["behind_forward_ms"].append(behind)
         step.reset()
         sync(device)
         begin = time.perf_counter()
@@ -335,12 +366,12 @@ def interleaved_times(steps: dict[Side, Step], args, device: torch.device) -> di
     step through the driver ("driver"), taken in --rounds alternating rounds (each side's scope,
     `side_scope`, around its rounds): drift of a noisy host hits every side alike. Each round starts with
     --warmup untimed steps."""
-    samples = {side: {"cuda_ms": [], "wall_ms": [], "host_ms": []} for side in steps}
+    samples = {side: {"cuda_ms": [], "wall_ms": [], "host_ms": [], "behind_forward_ms": []} for side in steps}
     per_round = max(1, -(-args.reps // args.rounds))
     for _ in range(args.rounds):
         for side, step in steps.items():
             with side_scope(side, args):
-                for key, values in time_samples(step, per_round, args.warmup, device).items():
+                for key, values in time_samples(step, per_round, args.warmup, device, args.forward_cycles).items():
                     samples[side][key] += values
     median = statistics.median
     return {side: {key: median(v) if v else None for key, v in found.items()} | {"timed_steps": len(found["wall_ms"])}
@@ -495,19 +526,22 @@ def run(args, device: torch.device, paths: list[str], report: Report) -> None:
 
 def _ms(row: dict) -> str:
     cuda = "" if row["cuda_ms"] is None else f"cuda {row['cuda_ms']:8.3f} ms "
+    if row.get("behind_forward_ms") is not None:
+        cuda += f"behind a forward {row['behind_forward_ms']:8.3f} ms "
     return f"{cuda}wall {row['wall_ms']:8.3f} ms host {row['host_ms']:7.3f} ms {'same' if passed(row) else 'DIFFERS'}"
 
 
-def print_table(rows: list[dict], batches: list[int]) -> None:
-    """Patched / unpatched time per setting and batch (CUDA time on a GPU, wall time on the CPU), then the
-    checks of the patched rows."""
-    key = "cuda_ms" if rows and rows[0]["cuda_ms"] is not None else "wall_ms"
+def print_table(rows: list[dict], batches: list[int], behind_forward: bool = False) -> None:
+    """Patched / unpatched time per setting and batch (CUDA time on a GPU, wall time on the CPU; with
+    `behind_forward` also the time behind a forward), then the checks of the patched rows."""
+    keys = ["cuda_ms" if rows and rows[0]["cuda_ms"] is not None else "wall_ms"] + ["behind_forward_ms"] * behind_forward
     by = {(r["setting"], r["batch"], r["patched"]): r for r in rows}
-    print(f"\npatched / unpatched {key} per decode step (vllm {vllm.__version__})")
-    print(f"{'setting':56s} " + " ".join(f"{'B=' + str(b):>8s}" for b in batches))
-    for name, base in dict.fromkeys((r["setting"], r.get("compared_to", r["setting"])) for r in rows):
-        pairs = [(by.get((name, b, True)), by.get((base, b, False))) for b in batches]
-        print(f"{name:56s} " + " ".join(f"{p[key] / u[key]:8.2f}" if p and u else f"{'-':>8s}" for p, u in pairs))
+    for key in keys:
+        print(f"\npatched / unpatched {key} per decode step (vllm {vllm.__version__})")
+        print(f"{'setting':56s} " + " ".join(f"{'B=' + str(b):>8s}" for b in batches))
+        for name, base in dict.fromkeys((r["setting"], r.get("compared_to", r["setting"])) for r in rows):
+            pairs = [(by.get((name, b, True)), by.get((base, b, False))) for b in batches]
+            print(f"{name:56s} " + " ".join(f"{p[key] / u[key]:8.2f}" if p and u else f"{'-':>8s}" for p, u in pairs))
     patched = [r for r in rows if r["patched"]]
     failed = [f"{r['setting']} B={r['batch']}" for r in patched if not passed(r)]
     print(f"\npatched rows whose outputs are rl-logp's: {len(patched) - len(failed)}/{len(patched)}"
@@ -549,10 +583,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="also time each patched step with the plans launched through the CUDA driver "
                              "(LaunchConfig.driver), a third side in the same alternating rounds: rows named "
                              "'<setting> [driver]'")
+    parser.add_argument("--behind-forward-ms", type=float, default=0.0,
+                        help="also time each step issued right behind a GPU kernel of this many ms (a model's "
+                             "forward, as vLLM's engine queues it before the sampler): behind_forward_ms, from the "
+                             "end of that kernel to the end of the step (CUDA only; 0: off)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (see above)")
     parser.add_argument("--out", default="benchmarks/results/rollout.json")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.behind_forward_ms < 0 or (args.behind_forward_ms and device.type != "cuda"):
+        parser.error(f"--behind-forward-ms {args.behind_forward_ms} needs CUDA and a value >= 0 (0 turns it off)")
+    args.forward_cycles = forward_cycles(args.behind_forward_ms) if args.behind_forward_ms else 0
     torch.manual_seed(0)  # V1 draws its sampled tokens from the global generator
     if args.smoke:
         args.batches, args.vocab, args.reps, args.rounds, args.warmup, args.backend = [1, 4], 1031, 2, 2, 1, "fused"
@@ -568,10 +609,11 @@ def main(argv: list[str] | None = None) -> None:
         "command": " ".join(sys.argv),
         "backend": args.backend,
         "fused_config": os.environ.get("RL_LOGP_FUSED_CONFIG", ""),
+        "behind_forward_ms": args.behind_forward_ms,
         "not_run": missing,
     })
     run(args, device, paths, report)
-    print_table(report.data["rows"], args.batches)
+    print_table(report.data["rows"], args.batches, bool(args.behind_forward_ms))
     print(f"\nreport written to {args.out}")
 
 

@@ -9,7 +9,10 @@ adapter's wrappers cost beside the call), by an uninitialised output of the same
 costs around a call that only allocates), or by rl-logp's own calls with their plans' kernel launch
 skipped (the call's Python and allocation in the step, without the launch; these two leave their
 outputs unwritten, for timing only); then the scoring call alone, rl-logp's against vLLM's
-`log_softmax(dim=-1, dtype=float32)`, on the step's logits. Then each torch op's own host time per step
+`log_softmax(dim=-1, dtype=float32)`, on the step's logits. On the V1 path, then the host time of each
+stretch of the step between the entries and exits of the Sampler's `compute_logprobs`, `sample` and
+`gather_logprobs` and of rl-logp's plan launch (`cuda_source.BoundKernel`), unpatched and patched (where
+in the step the patched step's extra time lands). Then each torch op's own host time per step
 under torch.profiler, patched minus unpatched (do vLLM's own ops cost more in the patched step?), and the
 cProfile of both sides.
 
@@ -25,6 +28,7 @@ import argparse
 import contextlib
 import cProfile
 import functools
+import itertools
 import os
 import pstats
 import statistics
@@ -116,6 +120,67 @@ def interleaved_host_us(calls: dict[str, tuple], rounds: int, per_round: int,
     return {name: (statistics.median(each[name]), statistics.median(back[name])) for name in calls}
 
 
+SEGMENT_MARKS = ("compute_logprobs", "sample", "gather_logprobs")  # V1 Sampler's methods, called in this order
+
+
+@contextlib.contextmanager
+def marked(marks: list) -> Iterator[None]:
+    """Each call of the V1 Sampler's `SEGMENT_MARKS` methods and of a plan's driver launch
+    (`cuda_source.BoundKernel`, "launch") appends (its name + ">", perf_counter) on entry and (name + "<",
+    ...) on exit to `marks`. Entered inside a side's scope, so that it wraps what the patch installed."""
+    from vllm.v1.sample.sampler import Sampler
+
+    from rl_logp.kernels import cuda_source
+
+    def wrap(name: str, fn):
+        def timed(*args, **kwargs):
+            marks.append((name + ">", time.perf_counter()))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                marks.append((name + "<", time.perf_counter()))
+        return timed
+
+    with contextlib.ExitStack() as stack:
+        for name in SEGMENT_MARKS:
+            found = Sampler.__dict__[name]
+            static = isinstance(found, staticmethod)
+            timed = wrap(name, found.__func__ if static else found)
+            stack.enter_context(mock.patch.object(Sampler, name, staticmethod(timed) if static else timed))
+        stack.enter_context(mock.patch.object(cuda_source.BoundKernel, "__call__",
+                                              wrap("launch", cuda_source.BoundKernel.__call__)))
+        yield
+
+
+def segment_us(steps: dict[str, Step], backend: str, rounds: int, per_round: int,
+               device: torch.device) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per side (unpatched, patched), the host us of each stretch of a V1 step between consecutive marks
+    (`marked`: "start", a method's entry ">" and exit "<", "end"): medians of steps each issued after the
+    previous finished, and of steps back to back, the sides alternating round by round."""
+    samples: dict[str, dict[str, tuple[list, list]]] = {side: {} for side in ("unpatched", "patched")}
+    marks: list = []
+    for _ in range(rounds):
+        for side, by_stretch in samples.items():
+            step = steps[side]
+            with side_scope(side, backend), marked(marks):
+                for _ in range(5):
+                    step()
+                for back_to_back in (False, True):
+                    _sync(device)
+                    for _ in range(per_round):
+                        if not back_to_back:
+                            _sync(device)
+                        marks.clear()
+                        t0 = time.perf_counter()
+                        step()
+                        points = [("start", t0), *marks, ("end", time.perf_counter())]
+                        for (a, ta), (b, tb) in itertools.pairwise(points):
+                            by_stretch.setdefault(f"{a} -> {b}", ([], []))[back_to_back].append((tb - ta) * 1e6)
+                    _sync(device)
+    return {side: {stretch: (statistics.median(each), statistics.median(back))
+                   for stretch, (each, back) in by_stretch.items()} for side, by_stretch in samples.items()}
+
+
 def own_times(step: Step, steps: int, device: torch.device) -> dict[tuple, float]:
     """Each function's own time per step (us) under cProfile."""
     for _ in range(5):
@@ -188,6 +253,16 @@ def main() -> None:
           "issued after the previous finished / back to back")
     for name, (each, back_to_back) in times.items():
         print(f"  {name:32s} {each:8.1f} {back_to_back:8.1f}")
+    if args.path == "v1_sampler":
+        stretches = segment_us(steps, args.backend, args.rounds, max(1, args.steps // args.rounds), device)
+        print("\nhost us of each stretch of the step between the V1 Sampler's methods (and rl-logp's plan launch), "
+              "medians: each step issued after the previous finished / back to back")
+        names = list(stretches["patched"]) + [n for n in stretches["unpatched"] if n not in stretches["patched"]]
+        print(f"  {'stretch':40s} {'unpatched':>17s} {'patched':>17s}")
+        for name in names:
+            cells = [stretches[side].get(name) for side in ("unpatched", "patched")]
+            print(f"  {name:40s} " + " ".join("        -        " if c is None else f"{c[0]:8.1f} {c[1]:8.1f}"
+                                              for c in cells))
     base_ops = op_times(steps["unpatched"], args.steps, device)
     with side_scope("patched", args.backend):
         patched_ops = op_times(steps["patched"], args.steps, device)

@@ -1,5 +1,6 @@
 """The benchmark scripts keep working: each runs with --smoke (tiny shapes on the CPU) in CI."""
 
+import itertools
 import json
 import os
 import re
@@ -87,6 +88,15 @@ def test_bench_rollout_driver_side_smoke(tmp_path):
     checks = {"kept_set": "kept_set_equals_contract"}
     assert all(r[checks.get(r["path"], "first_column_equals_rl_logp")] is True for r in driver)
     assert f"patched rows whose outputs are rl-logp's: {2 * len(base)}/{2 * len(base)}" in stdout
+
+
+def test_bench_rollout_refuses_a_forward_without_cuda(tmp_path):
+    """--behind-forward-ms queues a GPU kernel before each step: on the CPU it is refused by name, nothing
+    is run or written."""
+    out = tmp_path / "rollout.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_rollout.py"), "--smoke",
+                          "--behind-forward-ms", "2", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2 and "--behind-forward-ms 2.0 needs CUDA" in run.stderr and not out.exists()
 
 
 def test_bench_rollout_check_fails_on_one_ulp():
@@ -183,7 +193,9 @@ def test_bench_linear_smoke(tmp_path):
 
 
 def test_profile_rollout_step_isolates_the_scoring_call():
-    """The host profile of a V1 step times its five sides and the two scoring calls alone; its third side is
+    """The host profile of a V1 step times its five sides and the two scoring calls alone, and the stretches
+    of the step between the Sampler's methods on both sides (on the CPU no plan launches through the
+    driver, so there is no "launch" mark); its third side is
     the patched step with rl-logp's scoring calls answered by torch's log_softmax: inside it the adapter is
     applied and `rl_logp.full_logprobs` / `column_logprobs` give log_softmax's values; its fourth by an
     fp32 output of their shape; in its fifth the plans' bound launches launch nothing; leaving each
@@ -192,11 +204,17 @@ def test_profile_rollout_step_isolates_the_scoring_call():
                           "--vocab", "1031", "--batch", "4", "--steps", "6", "--rounds", "2", "--top", "3"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
-    timed = re.findall(r"^  (.+?) +(\d+\.\d) +(\d+\.\d)$", run.stdout, re.M)
+    sides, _, rest = run.stdout.partition("host us of each stretch")
+    timed = re.findall(r"^  (.+?) +(\d+\.\d) +(\d+\.\d)$", sides, re.M)
     assert [name for name, *_ in timed] == ["unpatched", "patched", "patched, torch scores", "patched, empty scores",
                                             "patched, no launch", "rl_logp.full_logprobs alone",
                                             "torch log_softmax alone"], run.stdout
     assert all(float(a) > 0 and float(b) > 0 for _, a, b in timed)
+    stretches = re.findall(r"^  (start|\w+[<>]) -> (\w+[<>]|end) +(\d+\.\d) +(\d+\.\d) +(\d+\.\d) +(\d+\.\d)$",
+                           rest, re.M)
+    marks = ["start", "compute_logprobs>", "compute_logprobs<", "sample>", "sample<", "gather_logprobs>",
+             "gather_logprobs<", "end"]
+    assert [(a, b) for a, b, *_ in stretches] == list(itertools.pairwise(marks)), run.stdout
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import profile_rollout_step as profile
