@@ -534,7 +534,9 @@ def _ms(row: dict) -> str:
 def print_table(rows: list[dict], batches: list[int], behind_forward: bool = False) -> None:
     """Patched / unpatched time per setting and batch (CUDA time on a GPU, wall time on the CPU; with
     `behind_forward` also the time behind a forward), then the checks of the patched rows."""
-    keys = ["cuda_ms" if rows and rows[0]["cuda_ms"] is not None else "wall_ms"] + ["behind_forward_ms"] * behind_forward
+    keys = ["cuda_ms" if rows and rows[0]["cuda_ms"] is not None else "wall_ms"]
+    if behind_forward:
+        keys.append("behind_forward_ms")
     by = {(r["setting"], r["batch"], r["patched"]): r for r in rows}
     for key in keys:
         print(f"\npatched / unpatched {key} per decode step (vllm {vllm.__version__})")

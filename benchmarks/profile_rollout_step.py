@@ -156,27 +156,27 @@ def segment_us(steps: dict[str, Step], backend: str, rounds: int, per_round: int
                device: torch.device) -> dict[str, dict[str, tuple[float, float]]]:
     """Per side (unpatched, patched), the host us of each stretch of a V1 step between consecutive marks
     (`marked`: "start", a method's entry ">" and exit "<", "end"): medians of steps each issued after the
-    previous finished, and of steps back to back, the sides alternating round by round."""
+    previous finished, and of steps back to back (`host_samples`' two loops), the sides alternating round
+    by round."""
     samples: dict[str, dict[str, tuple[list, list]]] = {side: {} for side in ("unpatched", "patched")}
     marks: list = []
     for _ in range(rounds):
         for side, by_stretch in samples.items():
-            step = steps[side]
+            step, traced = steps[side], []
+
+            def call(step=step, traced=traced) -> None:
+                marks.clear()
+                t0 = time.perf_counter()
+                step()
+                traced.append([("start", t0), *marks, ("end", time.perf_counter())])
+
             with side_scope(side, backend), marked(marks):
                 for _ in range(5):
                     step()
-                for back_to_back in (False, True):
-                    _sync(device)
-                    for _ in range(per_round):
-                        if not back_to_back:
-                            _sync(device)
-                        marks.clear()
-                        t0 = time.perf_counter()
-                        step()
-                        points = [("start", t0), *marks, ("end", time.perf_counter())]
-                        for (a, ta), (b, tb) in itertools.pairwise(points):
-                            by_stretch.setdefault(f"{a} -> {b}", ([], []))[back_to_back].append((tb - ta) * 1e6)
-                    _sync(device)
+                host_samples(call, per_round, device)
+            for n, points in enumerate(traced):  # the first per_round issued after the previous finished
+                for (a, ta), (b, tb) in itertools.pairwise(points):
+                    by_stretch.setdefault(f"{a} -> {b}", ([], []))[n >= per_round].append((tb - ta) * 1e6)
     return {side: {stretch: (statistics.median(each), statistics.median(back))
                    for stretch, (each, back) in by_stretch.items()} for side, by_stretch in samples.items()}
 

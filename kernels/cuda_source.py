@@ -79,7 +79,8 @@ def compile_cubin(source: str, name: str, arch: str, options: Sequence[str]) -> 
         lib.nvrtcDestroyProgram(ctypes.byref(program))
 
 
-def driver_library() -> ctypes.CDLL:
+@functools.lru_cache(maxsize=1)
+def _driver() -> ctypes.CDLL:
     """libcuda, the argument types of the functions used here set, the driver initialised."""
     cuda = ctypes.CDLL("libcuda.so.1")
     pointer = ctypes.POINTER(ctypes.c_void_p)
@@ -97,11 +98,6 @@ def driver_library() -> ctypes.CDLL:
         ctypes.c_void_p, pointer, ctypes.c_void_p]
     _raise_on(cuda, cuda.cuInit(0), "initialisation")
     return cuda
-
-
-@functools.lru_cache(maxsize=1)
-def _driver() -> ctypes.CDLL:
-    return driver_library()
 
 
 @functools.lru_cache(maxsize=1)
@@ -222,24 +218,23 @@ class BoundKernel:
         for value, pointer in zip(held, pointers, strict=True):
             value.value = pointer
         stream_arg.value = stream
-        cuda = _launch_driver()
-        cuda.cuCtxGetCurrent(now_ref)
-        if now.value == self.context:
-            _check(cuda.cuLaunchKernel(*args), "launch")
-            return
-        with current(self.context):
-            _check(cuda.cuLaunchKernel(*args), "launch")
+        _launch_in(_launch_driver(), self.context, now, now_ref, args)
 
 
 def launch_kernel(function: int | ctypes.c_void_p, context: int, grid: tuple[int, int, int], block: int, shared: int,
                   stream: int, params: ctypes.Array) -> None:
     """One launch of a loaded kernel (`function`, a CUfunction of `context`) on `stream` with `params` (see
     `parameters`); `context` is made current for it where it is not."""
-    cuda = _driver()
     now = ctypes.c_void_p()
-    cuda.cuCtxGetCurrent(ctypes.byref(now))
+    _launch_in(_driver(), context, now, ctypes.byref(now), (function, *grid, block, 1, 1, shared, stream, params, None))
+
+
+def _launch_in(cuda: ctypes.CDLL, context: int, now: ctypes.c_void_p, now_ref: object, args: tuple) -> None:
+    """`cuLaunchKernel(*args)` through `cuda` with `context` current: as it is (`now`, read through
+    `now_ref`), or pushed for the launch."""
+    cuda.cuCtxGetCurrent(now_ref)
     if now.value == context:
-        _check(cuda.cuLaunchKernel(function, *grid, block, 1, 1, shared, stream, params, None), "launch")
+        _check(cuda.cuLaunchKernel(*args), "launch")
         return
     with current(context):
-        _check(cuda.cuLaunchKernel(function, *grid, block, 1, 1, shared, stream, params, None), "launch")
+        _check(cuda.cuLaunchKernel(*args), "launch")

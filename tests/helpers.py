@@ -234,7 +234,6 @@ class FakeDriver:
                                   [ctypes.string_at(p, n) for p, n in zip(params, self.param_sizes, strict=True)]))
         return 0
 
-
     def untyped(self) -> UntypedDriver:
         """This model as `cuda_source._launch_driver` gives the driver: no argument types set."""
         return UntypedDriver(self)
