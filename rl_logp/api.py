@@ -310,6 +310,19 @@ def _eager_output(kind: str, logits, labels, temperature, opts: Options) -> torc
     return out
 
 
+def _planned(kind: str, logits, columns, temperature, config) -> torch.Tensor | None:
+    """A rollout's repeated call (`full_logprobs` with `kind` "full", `column_logprobs` with "columns") run
+    straight from its plan, before any option is resolved: where `config` is a `LogpConfig` (the call's only
+    option, as the rollout adapters pass it) and the signature `_eager_output` keeps for it has a plan. None
+    otherwise, and the call takes `_rollout_scores`. Neither output is differentiable, so a call on logits
+    that require grad runs the same plan as `_rollout_scores` runs it under no_grad."""
+    if (type(config) is not LogpConfig or not (temperature is None or type(temperature) is float)
+            or torch.compiler.is_compiling()):
+        return None
+    key = rollout_calls.signature((kind, id(config), temperature), logits, columns)
+    return None if key is None else rollout_calls.run(key, (logits,) if columns is None else (logits, columns))
+
+
 def _rollout_scores(logits, columns, temperature, opts: Options, *, full: bool) -> torch.Tensor:
     """The logprobs of `columns` (or with `full` of every column): one forward of an invariant engine straight
     from the engine (no op, no autograd), what a rollout engine asks at every decode step (`_eager_output`).
@@ -341,6 +354,10 @@ def column_logprobs(
     int32 ids): entry k of a row is what `logprobs(logits, ids)` gives for id `columns[..., k]`, bit for
     bit (0 for an id outside [0, V) or a row of -inf). A rollout's sampled token and top-n logprobs: one
     kernel launch on the fused path (eager). Not differentiable; runs eagerly under torch.compile."""
+    if backend is None and chunk_bytes is None and fixed_point_bits is None:
+        out = _planned("columns", logits, columns, temperature, config)
+        if out is not None:
+            return out
     opts = Options(backend, config=config, chunk_bytes=chunk_bytes, fixed_point_bits=fixed_point_bits)
     return _shaped(_rollout_scores(logits, columns, temperature, opts, full=False), columns.shape)
 
@@ -359,5 +376,9 @@ def full_logprobs(
     finite max (a row of -inf gives NaN, as log_softmax does). A rollout's full-vocabulary logprobs: one
     kernel launch on the fused path (eager; max pass, sums pass, write pass). Not differentiable; runs eagerly
     under torch.compile."""
+    if backend is None and chunk_bytes is None and fixed_point_bits is None:
+        out = _planned("full", logits, None, temperature, config)
+        if out is not None:
+            return out
     opts = Options(backend, config=config, chunk_bytes=chunk_bytes, fixed_point_bits=fixed_point_bits)
     return _shaped(_rollout_scores(logits, None, temperature, opts, full=True), logits.shape)

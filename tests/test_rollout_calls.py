@@ -74,6 +74,34 @@ def test_repeated_calls_take_the_plan_and_give_the_ordinary_bits(ordinary_calls,
     assert len(rollout_calls._plans) == 3
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_calls_given_a_config_alone_run_their_plan_before_resolving_options(ordinary_calls, device, monkeypatch):
+    """`column_logprobs` and `full_logprobs` given a `LogpConfig` as their only option (how the vLLM adapter
+    calls them at every decode step): a signature's first call takes `_rollout_scores` and keeps the plan,
+    every later one runs the plan without it (no option resolved) and gives the ordinary path's bits, also
+    on logits that require grad (neither output is differentiable); another config object is another
+    signature."""
+    cfg = rl_logp.resolve_config(None, backend="fused")
+    scored, through = [], api._rollout_scores
+    monkeypatch.setattr(api, "_rollout_scores", lambda *a, **k: scored.append(1) or through(*a, **k))
+    took = []
+    for seed in range(3):
+        x, ids = _inputs(4, 5000, torch.float32, device, seed)
+        for temperature in (None, 0.7):
+            for name in ("column_logprobs", "full_logprobs"):
+                fn, args = CALLS[name]
+                want = _ordinary(fn, *args(x, ids), backend="fused", temperature=temperature)
+                before = len(scored)
+                got = fn(*args(x.requires_grad_(seed == 2), ids), config=cfg, temperature=temperature)
+                took.append(len(scored) - before)
+                assert torch.equal(bits(got), bits(want)) and not got.requires_grad, (name, seed, temperature)
+    assert took == [1] * 4 + [0] * 8
+    fn, args = CALLS["full_logprobs"]
+    before = len(scored)
+    fn(*args(x.detach(), ids), config=dataclasses.replace(cfg))
+    assert len(scored) == before + 1 and len(rollout_calls._plans) == 5
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_plans_through_the_driver_give_the_ordinary_bits(ordinary_calls, dtype, monkeypatch):
