@@ -214,7 +214,7 @@ class BoundKernel:
         if self.empty:
             return
         own = getattr(self.local, "own", None) or self._own()
-        held, stream_arg, args, now, now_ref = own[:5]
+        held, stream_arg, args, now, now_ref, _ = own
         for value, pointer in zip(held, pointers, strict=True):
             value.value = pointer
         stream_arg.value = stream

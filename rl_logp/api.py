@@ -35,10 +35,16 @@ class Options:
     strict: bool | None = None
 
 
+def _given_config(config: object, *options: object) -> LogpConfig | None:
+    """`config` itself where it is a `LogpConfig` that none of `options` (a call's other config options)
+    overrides: what `resolve_config` returns for it, without the call (a rollout's every step). Else None."""
+    return config if type(config) is LogpConfig and options.count(None) == len(options) else None
+
+
 def _config(opts: Options) -> LogpConfig:
-    if (type(opts.config) is LogpConfig and opts.backend is None and opts.chunk_bytes is None
-            and opts.fixed_point_bits is None and opts.strict is None):
-        return opts.config  # what resolve_config returns for it, without the call (a rollout's every step)
+    given = _given_config(opts.config, opts.backend, opts.chunk_bytes, opts.fixed_point_bits, opts.strict)
+    if given is not None:
+        return given
     return resolve_config(opts.config, backend=opts.backend, chunk_bytes=opts.chunk_bytes,
                           fixed_point_bits=opts.fixed_point_bits, strict=opts.strict)
 
@@ -280,6 +286,18 @@ def _plannable(logits: object, opts: Options) -> bool:
             and not (logits.requires_grad and torch.is_grad_enabled()))
 
 
+def _plan_output(kind: str, logits, labels, temperature, cfg: LogpConfig) -> tuple[tuple | None, torch.Tensor | None]:
+    """(the signature of a `_plannable` call with the resolved `cfg`, the output of its plan): (None, None)
+    for a tensor temperature or a call with no signature (`rollout_calls.signature`), (key, None) where the
+    signature has no plan or its launch declined."""
+    if temperature is not None and type(temperature) is not float:
+        return None, None
+    key = rollout_calls.signature((kind, id(cfg), temperature), logits, labels)
+    if key is None:
+        return None, None
+    return key, rollout_calls.run(key, (logits,) if labels is None else (logits, labels))
+
+
 def _eager_output(kind: str, logits, labels, temperature, opts: Options) -> torch.Tensor:
     """The one output of a `_plannable` call: the logp of the labels ("logp"), of K columns per row
     ("columns") or of every column ("full"). A signature (the kind, the config object, a float temperature,
@@ -287,13 +305,9 @@ def _eager_output(kind: str, logits, labels, temperature, opts: Options) -> torc
     `rl_logp.rollout_calls`); otherwise the request is built and scored, and the signature kept where the
     engine ran on the caller's own tensors (no reshape, cast or copy of them) and can repeat the call."""
     cfg = _config(opts)
-    key = None
-    if temperature is None or type(temperature) is float:
-        key = rollout_calls.signature((kind, id(cfg), temperature), logits, labels)
-    if key is not None:
-        out = rollout_calls.run(key, (logits,) if labels is None else (logits, labels))
-        if out is not None:
-            return out
+    key, out = _plan_output(kind, logits, labels, temperature, cfg)
+    if out is not None:
+        return out
     req = _request(logits, labels, temperature, opts, entropy=False, normalizer=False, inplace_backward=False,
                    columns=kind == "columns", full=kind == "full")
     engine = make_engine(req.engine, req.chunk_bytes) if req.engine in INVARIANT_ENGINES else None
@@ -310,17 +324,17 @@ def _eager_output(kind: str, logits, labels, temperature, opts: Options) -> torc
     return out
 
 
-def _planned(kind: str, logits, columns, temperature, config) -> torch.Tensor | None:
+def _planned(kind: str, logits, columns, temperature, config, backend, chunk_bytes, fixed_point_bits) -> torch.Tensor | None:
     """A rollout's repeated call (`full_logprobs` with `kind` "full", `column_logprobs` with "columns") run
-    straight from its plan, before any option is resolved: where `config` is a `LogpConfig` (the call's only
-    option, as the rollout adapters pass it) and the signature `_eager_output` keeps for it has a plan. None
-    otherwise, and the call takes `_rollout_scores`. Neither output is differentiable, so a call on logits
-    that require grad runs the same plan as `_rollout_scores` runs it under no_grad."""
-    if (type(config) is not LogpConfig or not (temperature is None or type(temperature) is float)
-            or torch.compiler.is_compiling()):
+    straight from its plan, before any `Options` is built: where `config` is a `LogpConfig` that none of the
+    call's other config options overrides, as the rollout adapters call, and the signature
+    `_eager_output` keeps for it has a plan (`_plan_output`). None otherwise, and the call takes
+    `_rollout_scores`. Neither output is differentiable, so a call on logits that require grad runs the same
+    plan as `_rollout_scores` runs it under no_grad."""
+    cfg = _given_config(config, backend, chunk_bytes, fixed_point_bits)
+    if cfg is None or torch.compiler.is_compiling():
         return None
-    key = rollout_calls.signature((kind, id(config), temperature), logits, columns)
-    return None if key is None else rollout_calls.run(key, (logits,) if columns is None else (logits, columns))
+    return _plan_output(kind, logits, columns, temperature, cfg)[1]
 
 
 def _rollout_scores(logits, columns, temperature, opts: Options, *, full: bool) -> torch.Tensor:
@@ -354,10 +368,9 @@ def column_logprobs(
     int32 ids): entry k of a row is what `logprobs(logits, ids)` gives for id `columns[..., k]`, bit for
     bit (0 for an id outside [0, V) or a row of -inf). A rollout's sampled token and top-n logprobs: one
     kernel launch on the fused path (eager). Not differentiable; runs eagerly under torch.compile."""
-    if backend is None and chunk_bytes is None and fixed_point_bits is None:
-        out = _planned("columns", logits, columns, temperature, config)
-        if out is not None:
-            return out
+    out = _planned("columns", logits, columns, temperature, config, backend, chunk_bytes, fixed_point_bits)
+    if out is not None:
+        return out
     opts = Options(backend, config=config, chunk_bytes=chunk_bytes, fixed_point_bits=fixed_point_bits)
     return _shaped(_rollout_scores(logits, columns, temperature, opts, full=False), columns.shape)
 
@@ -376,9 +389,8 @@ def full_logprobs(
     finite max (a row of -inf gives NaN, as log_softmax does). A rollout's full-vocabulary logprobs: one
     kernel launch on the fused path (eager; max pass, sums pass, write pass). Not differentiable; runs eagerly
     under torch.compile."""
-    if backend is None and chunk_bytes is None and fixed_point_bits is None:
-        out = _planned("full", logits, None, temperature, config)
-        if out is not None:
-            return out
+    out = _planned("full", logits, None, temperature, config, backend, chunk_bytes, fixed_point_bits)
+    if out is not None:
+        return out
     opts = Options(backend, config=config, chunk_bytes=chunk_bytes, fixed_point_bits=fixed_point_bits)
     return _shaped(_rollout_scores(logits, None, temperature, opts, full=True), logits.shape)
