@@ -16,9 +16,11 @@
 // last product folded into the fixed-point split's round-toward-zero adds, which gives the same sums),
 // the max in the logits' own type (exact, NaN-propagating), z = x / T the IEEE quotient (div_rn, the
 // reciprocal and one fma correction where `row_reciprocal`'s range holds, or for 16-bit logits
-// `row_divisor`'s pair where it checks), the terms
-// trunc(e 2^40) = hi 2^20 + lo from two round-toward-zero adds summed as uint32 bit patterns
-// (`split_terms`, `lane_total`), and `finalize_row`'s finish in fp64. Compiled by NVRTC with
+// `row_divisor`'s pair where it checks), the terms trunc(e 2^40) = hi 2^20 + lo from two
+// round-toward-zero adds summed as uint32 bit patterns (`split_terms`, `lane_total`), the entropy's terms
+// trunc(u 2^40) by one conversion toward zero summed as uint64 (`QUANT_CAST`'s: the same integers; the
+// split would take three instructions and an add more a term, where the conversion shares the
+// special-function unit with the exp), and `finalize_row`'s finish in fp64. Compiled by NVRTC with
 // -fmad=false (no contraction the Triton kernels, compiled without fp fusion, lack); parameters:
 //   ELEM: 0 bf16, 1 fp16, 2 fp32; CLUSTER: blocks per row; THREADS: threads per block;
 //   MIN_BLOCKS: blocks per SM to fit in registers; ENTROPY: 0/1; TEMP: 0 none, 1 one float T for every row;
@@ -38,10 +40,17 @@ typedef long long i64;
 
 #define WARPS (THREADS / 32)
 #define COPY_BYTES 32768
-#define HI_BIAS 8.0f            // 2^(23 - 20): the split's high part, trunc(t 2^20)
-#define LO_BIAS 7.62939453125e-06f  // 2^(23 - 40)
-#define HI_PATTERN 0x41000000u
-#define LO_PATTERN 0x37000000u
+// The split takes e 2^SCALE: with the entropy e 2^40 (its product feeds the entropy term's conversion), else e.
+#if ENTROPY
+#define SCALE 40
+#else
+#define SCALE 0
+#endif
+// Biases of spacing 2^(SCALE - 20) (the high part, trunc(e 2^20)) and 2^(SCALE - 40), and their fp32 patterns.
+#define HI_BIAS __int_as_float(HI_PATTERN)
+#define LO_BIAS __int_as_float(LO_PATTERN)
+#define HI_PATTERN ((u32)(127 + 3 + SCALE) << 23)
+#define LO_PATTERN ((u32)(127 - 17 + SCALE) << 23)
 // The suspend-time hint of the waits for the peers' pushes. A suspended warp still wakes at the SM's other
 // mbarrier events and tests again (on an H100, ~70 tests a warp for the sums of a row, with or without a
 // hint): one warp waits, the others at a block barrier, where they issue nothing.
@@ -238,7 +247,8 @@ __device__ __forceinline__ float divide(float x, float t, float inv_t, float inv
   }
 
 struct Sums {
-  u32 s_hi, s_lo, e_hi, e_lo;
+  u32 s_hi, s_lo;
+  u64 e;
 };
 
 template <int DIV>
@@ -247,19 +257,21 @@ __device__ __forceinline__ void add_term(Sums& acc, float x, float t, float inv_
   float nd = shift - z;
   float r, s;
   exp_parts(nd * -1.0f, r, s);  // e = expf(-nd) = r s
-  // The halves of trunc(e 2^40): e + c rounded toward zero is fma(r, s, c) rounded toward zero, as r s is
-  // exact wherever e is normal, and below 2^-126 both halves are the bias either way (one instruction
-  // less than e's product and an add).
-  float hi = __fmaf_rz(r, s, HI_BIAS);
-  float lo = __fmaf_rz(r, s, (HI_BIAS + LO_BIAS) - hi);
+  // s 2^SCALE from the power's bits: s = 2^k with k <= 0 (the argument is <= 0), so its exponent field
+  // stays below 128 + SCALE. r s 2^SCALE = e 2^SCALE wherever e is normal.
+  float ss = __int_as_float(__float_as_int(s) + (SCALE << 23));
+  // The halves of trunc(e 2^40): e 2^SCALE + c rounded toward zero is fma(r, s 2^SCALE, c) rounded toward
+  // zero (one instruction less than e's product and an add), and below 2^-126 both halves are the bias
+  // either way.
+  float hi = __fmaf_rz(r, ss, HI_BIAS);
+  float lo = __fmaf_rz(r, ss, (HI_BIAS + LO_BIAS) - hi);
   acc.s_hi += __float_as_uint(hi);
   acc.s_lo += __float_as_uint(lo);
 #if ENTROPY
-  float u = (r * s) * fminf(nd, 200.0f);
-  float uhi = __fadd_rz(u, HI_BIAS);
-  float ulo = __fadd_rz(u, (HI_BIAS + LO_BIAS) - uhi);
-  acc.e_hi += __float_as_uint(uhi);
-  acc.e_lo += __float_as_uint(ulo);
+  // trunc(u 2^40) of u = e min(nd, 200) (min: 0 * inf of a masked column kept out): round(e 2^40 min(nd,
+  // 200)) is u 2^40 wherever u is normal, and below 2^-126 both truncate to 0; u < 1, so u 2^40 < 2^40.
+  float u40 = (r * ss) * fminf(nd, 200.0f);
+  acc.e += __float2ull_rz(u40);
 #endif
 }
 
@@ -270,7 +282,7 @@ __device__ __forceinline__ i64 total(u32 hi, u32 lo, u32 n_terms) {
 
 template <int DIV>
 __device__ __forceinline__ Sums slice_sums(const uint4* v, int n_vec, float t, float inv_t, float inv_lo, float shift) {
-  Sums acc = {0u, 0u, 0u, 0u};
+  Sums acc = {0u, 0u, 0ull};
 #pragma unroll 2
   for (int i = threadIdx.x; i < n_vec; i += THREADS) {
     uint4 w = v[i];
@@ -436,7 +448,7 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
   // Terms this thread added: ESIZE-byte logits, 16 bytes per vector.
   const u32 n_terms = (u32)(((n_vec - (int)threadIdx.x + THREADS - 1) / THREADS) * (16 / ESIZE));
   i64 s = threadIdx.x < n_vec ? total(acc.s_hi, acc.s_lo, n_terms) : 0;
-  i64 e = threadIdx.x < n_vec ? total(acc.e_hi, acc.e_lo, n_terms) : 0;
+  i64 e = (i64)acc.e;
   for (int o = 16; o; o >>= 1) {
     s += __shfl_xor_sync(0xffffffffu, s, o);
     e += __shfl_xor_sync(0xffffffffu, e, o);

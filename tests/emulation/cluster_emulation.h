@@ -131,6 +131,13 @@ inline float __fmaf_rz(float a, float b, float c) {
   return r;
 }
 
+// cvt.rzi.u64.f32: toward zero, NaN and negatives to 0, at or above 2^64 the largest.
+inline unsigned long long __float2ull_rz(float a) {
+  if (!(a > 0.0f)) return 0ull;
+  if (a >= 18446744073709551616.0f) return ~0ull;
+  return (unsigned long long)a;
+}
+
 // The kernel's `exp_parts`: e = expf(x) as r s, here the contract's CPU exponential (the fp64 exp rounded
 // to fp32) and s = 1, so that fma(r, s, c) is the contract's add.
 inline void exp_parts(float x, float& r, float& s) {
