@@ -160,7 +160,7 @@ def logp_providers(smoke: bool) -> tuple[dict[str, Provider], dict[str, str]]:
 
 
 def entropy_providers() -> tuple[dict[str, Provider], dict[str, str]]:
-    found: dict[str, Provider] = {"rl_logp": lambda x, y, t, ip: rl_logp.entropy(x, temperature=t)}
+    found: dict[str, Provider] = {"rl_logp": lambda x, y, t, ip: rl_logp.entropy(x, temperature=t, inplace_backward=ip)}
     missing: dict[str, str] = {}
     with_triton_forward(found, missing, found["rl_logp"])
     verl_tf, why = _verl_functions()

@@ -200,6 +200,7 @@ def entropy(
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
+    inplace_backward: bool = False,
     config: LogpConfig | dict | None = None,
     chunk_bytes: int | None = None,
     fixed_point_bits: int | None = None,
@@ -207,9 +208,9 @@ def entropy(
 ) -> torch.Tensor:
     """Entropy of `softmax(logits / temperature)` per row, fp32, differentiable, batch-, chunk- and
     TP-invariant (H = log S' - E'/S' from two int64 fixed-point sums). Fully -inf rows give 0; rows holding
-    NaN or +inf give NaN. Arguments as in `logprobs`."""
+    NaN or +inf give NaN. Arguments as in `logprobs` (`inplace_backward` included)."""
     opts = Options(backend, tp_group, vocab_start, vocab_size, config, chunk_bytes, fixed_point_bits, strict)
-    stats, shape = _score(logits, None, temperature, opts, entropy=True)
+    stats, shape = _score(logits, None, temperature, opts, entropy=True, inplace_backward=inplace_backward)
     return _shaped(stats.entropy, shape)
 
 

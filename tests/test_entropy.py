@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import HAS_CUDA, batch_sizes, mismatches, model_like_logits
+from helpers import HAS_CUDA, INTERPRET, batch_sizes, mismatches, model_like_logits
 
 from rl_logp import entropy
 
@@ -58,3 +58,23 @@ def test_entropy_is_batch_and_chunk_invariant(device):
     whole = entropy_and_grad(pool[:40])
     bad += mismatches(small[0], whole[0]) + mismatches(small[1], whole[1])
     assert bad == 0
+
+
+@pytest.mark.parametrize("backend", ["chunked", pytest.param("fused", marks=pytest.mark.skipif(
+    not (HAS_CUDA or INTERPRET), reason="the fused kernel cannot run here"))])
+@pytest.mark.parametrize("temperature", [None, 0.7])
+def test_entropy_inplace_backward_writes_the_same_gradient_into_the_logits(backend, temperature):
+    """With `inplace_backward` the entropy's gradient is written over a non-leaf copy of the logits and
+    handed to the leaf as its .grad (no logits-sized buffer), with the bits of the ordinary backward; the
+    leaf itself is never overwritten."""
+    device = "cuda" if backend == "fused" and HAS_CUDA else "cpu"
+    leaf = model_like_logits(6, 1031, torch.float32, device, seed=5).requires_grad_(True)
+    want = entropy_and_grad(leaf, backend=backend, temperature=temperature)[1]
+    before = leaf.detach().clone()
+    x = leaf.clone()
+    entropy(x, backend=backend, temperature=temperature, inplace_backward=True).sum().backward()
+    assert leaf.grad.data_ptr() == x.data_ptr() and mismatches(leaf.grad, want) == 0
+    leaf.grad = None
+    entropy(leaf, backend=backend, temperature=temperature, inplace_backward=True).sum().backward()
+    assert mismatches(leaf.detach(), before) == 0 and leaf.grad.data_ptr() != leaf.data_ptr()
+    assert mismatches(leaf.grad, want) == 0
