@@ -18,9 +18,10 @@
 // reciprocal and one fma correction where `row_reciprocal`'s range holds, or for 16-bit logits
 // `row_divisor`'s pair where it checks), the terms trunc(e 2^40) = hi 2^20 + lo from two
 // round-toward-zero adds summed as uint32 bit patterns (`split_terms`, `lane_total`), the entropy's terms
-// trunc(u 2^40) by one conversion toward zero summed as uint64 (`QUANT_CAST`'s: the same integers; the
-// split would take three instructions and an add more a term, where the conversion shares the
-// special-function unit with the exp), and `finalize_row`'s finish in fp64. Compiled by NVRTC with
+// trunc(u 2^40) by one conversion toward zero summed as uint64 (`QUANT_CAST`'s: the same integers, three
+// instructions and an add fewer a term than the split; the logp's terms keep the split, as a second
+// conversion a logit beside the exp makes the special-function unit the limit), and `finalize_row`'s
+// finish in fp64. Compiled by NVRTC with
 // -fmad=false (no contraction the Triton kernels, compiled without fp fusion, lack); parameters:
 //   ELEM: 0 bf16, 1 fp16, 2 fp32; CLUSTER: blocks per row; THREADS: threads per block;
 //   MIN_BLOCKS: blocks per SM to fit in registers; ENTROPY: 0/1; TEMP: 0 none, 1 one float T for every row;
