@@ -7,6 +7,8 @@ tensor, forward and backward; the bits must equal eager's and dynamo must not re
 count changes. The CPU runs the chunked engine; the GPU the fused kernels.
 """
 
+import warnings
+
 import pytest
 import torch
 from helpers import HAS_CUDA, mismatches, model_like_logits, random_labels
@@ -23,6 +25,10 @@ def _entropy(logits, temperature):
 
 def _logprobs(logits, labels, temperature):
     return rl_logp.logprobs(logits, labels, temperature=temperature)
+
+
+def _fused_logprobs(logits, labels):
+    return rl_logp.logprobs(logits, labels, temperature=0.7, backend="fused")
 
 
 def _both(logits, labels, temperature):
@@ -69,6 +75,35 @@ def test_compiled_equals_eager_without_recompiles(device, which, temperature, th
         assert mismatches(got[1], want[1]) == 0, rows
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_compiling_a_fused_call_makes_dynamo_warn_nothing_and_compile_once(monkeypatch):
+    """torch.compile traces the backend's resolution (`engines.fused_runs_on`; on the CPU the fused kernels
+    run under the interpreter, on a GPU machine the logits are on the GPU): nothing in it may make Dynamo
+    warn, as it does at every `functools` cache wrapper it traces through, nor recompile once its first call
+    (nothing asked yet) has filled the memo."""
+    from torch._dynamo import utils as dynamo_utils
+    from torch._dynamo.utils import counters
+
+    from rl_logp import engines
+
+    monkeypatch.setattr(engines, "_RUNS_ON", {})
+    monkeypatch.setattr(engines, "_IMPORT_ERROR", [])
+    monkeypatch.setattr(dynamo_utils, "warn_once_cache", set())  # Dynamo warns once a process per message
+    device = "cuda" if HAS_CUDA else "cpu"
+    x, y = _inputs(8, 67, device, False, seed=0)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(_fused_logprobs, fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [compiled(x, y) for _ in range(2)]
+    dynamo = [str(w.message) for w in caught if "Dynamo" in str(w.message)]
+    assert not dynamo, dynamo
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert engines._RUNS_ON == {device: True}
+    for out in got:
+        assert mismatches(out, _fused_logprobs(x, y)) == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

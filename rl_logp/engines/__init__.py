@@ -18,28 +18,41 @@ from rl_logp.engines.chunked import ChunkedEngine
 INVARIANT_ENGINES = ("fused", "chunked")
 
 
-@functools.lru_cache(maxsize=1)
+_IMPORT_ERROR: list[str | None] = []  # fused_import_error's answer, once asked
+_RUNS_ON: dict[str, bool] = {}  # fused_runs_on's answer per device type
+
+
 def fused_import_error() -> str | None:
-    """Why the fused kernels cannot be imported here, or None when they can."""
-    try:
-        import rl_logp.engines.fused  # noqa: F401
-    except ImportError as err:
-        return str(err)
-    return None
+    """Why the fused kernels cannot be imported here, or None when they can (asked once a process)."""
+    if not _IMPORT_ERROR:
+        try:
+            import rl_logp.engines.fused  # noqa: F401
+        except ImportError as err:
+            _IMPORT_ERROR.append(str(err))
+        else:
+            _IMPORT_ERROR.append(None)
+    return _IMPORT_ERROR[0]
 
 
-@functools.lru_cache(maxsize=8)
+@torch.compiler.assume_constant_result
 def _fused_runs_on_type(device_type: str) -> bool:
-    if fused_import_error() is not None:
-        return False
-    from rl_logp.kernels.fixed_point import INTERPRET  # what the kernels were decorated with
+    runs = _RUNS_ON.get(device_type)
+    if runs is None:
+        runs = fused_import_error() is None
+        if runs:
+            from rl_logp.kernels.fixed_point import INTERPRET  # what the kernels were decorated with
 
-    return device_type == "cuda" or (device_type == "cpu" and INTERPRET)
+            runs = device_type == "cuda" or (device_type == "cpu" and INTERPRET)
+        _RUNS_ON[device_type] = runs
+    return runs
 
 
 def fused_runs_on(device: torch.device) -> bool:
     """True where `fused` can run: a CUDA device with Triton, or the CPU under TRITON_INTERPRET=1 (as it was
-    when the kernels were imported: Triton reads it then)."""
+    when the kernels were imported: Triton reads it then). torch.compile traces this function (through
+    `resolve_backend`): the answer, fixed for the process, is a constant to it (run, not traced: no guard
+    on the memo, so no recompile once it is filled), and the memo is a plain dict, as Dynamo warns at every
+    `functools` cache wrapper it traces through."""
     return _fused_runs_on_type(device.type)
 
 
