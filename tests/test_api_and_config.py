@@ -33,6 +33,22 @@ def test_config_rejects_bad_values(bad, match):
         resolve_config(bad, environ={})
 
 
+def test_fused_where_its_kernels_cannot_import_names_the_reason_and_the_fix(monkeypatch):
+    """Where Triton (the fused kernels) cannot be imported, backend='fused' raises naming why and what to pass
+    instead, and 'auto' scores with the chunked engine: the same bits, no silent failure."""
+    from rl_logp import engines
+
+    monkeypatch.setattr(engines, "_IMPORT_ERROR", ["No module named 'triton'"])
+    monkeypatch.setattr(engines, "_RUNS_ON", {})
+    x, y = model_like_logits(4, 67, torch.float32, "cpu", seed=0), random_labels(4, 67, "cpu", seed=0)
+    with pytest.raises(ValueError, match=r"backend='fused' needs CUDA logits and Triton \(No module named 'triton'\); "
+                                         r"use backend='chunked'"):
+        logprobs(x, y, backend="fused")
+    assert engines.resolve_backend("auto", torch.device("cuda")) == "chunked"
+    assert mismatches(logprobs(x, y), logprobs(x, y, backend="chunked")) == 0
+    assert engines._RUNS_ON == {"cpu": False, "cuda": False}
+
+
 def test_bad_env_value_names_the_variable():
     with pytest.raises(ValueError, match="strict='maybe'"):
         resolve_config(environ={"RL_LOGP_STRICT": "maybe"})
