@@ -22,6 +22,7 @@ its peers then wait in their next collective until its process ends.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -134,17 +135,28 @@ def _gather(group: dist.ProcessGroup, meta: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass
 class _Agreed:
-    """A layout agreed on the host in "first_call" mode, and its pending disagreement flag."""
+    """A layout agreed on the host in "first_call" mode, and its pending disagreement flag. It holds this
+    rank's slice without its group (`start`, `width`, `vocab_size`, `comm_device`): the group is the key
+    of `_agreed`, held weakly."""
 
-    shard: VocabShard
+    start: int
+    width: int
+    vocab_size: int
+    comm_device: torch.device
     layout: torch.Tensor  # this rank's layout fields, on the collectives' device
     zeros: torch.Tensor
     flag: torch.Tensor  # device bool: some later call disagreed
     seen: torch.Tensor | None  # pinned host copy of `flag` (CUDA), with `event` marking when it is valid
     event: torch.cuda.Event | None
 
+    def shard(self, group: dist.ProcessGroup, disagreement: torch.Tensor | None = None) -> VocabShard:
+        return VocabShard(group=group, start=self.start, width=self.width, vocab_size=self.vocab_size,
+                          comm_device=self.comm_device, disagreement=disagreement)
 
-_agreed: dict[tuple, _Agreed] = {}
+
+# The agreed layouts of each process group, the group held weakly: a group destroyed by its owner
+# (`dist.destroy_process_group`) is not kept alive here, nor its threads until the interpreter's teardown.
+_agreed: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, _Agreed]] = weakref.WeakKeyDictionary()
 
 
 @torch.compiler.disable
@@ -153,8 +165,7 @@ def agree(group: dist.ProcessGroup, local: LocalLayout, mode: str = "every_call"
     the module docstring for `mode`)."""
     device = comm_device(group, local.device)
     layout = local.layout()
-    key = (group, layout)
-    agreed = _agreed.get(key) if mode == "first_call" else None
+    agreed = _agreed.get(group, {}).get(layout) if mode == "first_call" else None
     if agreed is not None:
         return _agree_on_device(group, local, agreed)
     zeros = torch.zeros(1 + MESSAGE_WORDS, dtype=torch.int64, device=device)
@@ -166,9 +177,10 @@ def agree(group: dist.ProcessGroup, local: LocalLayout, mode: str = "every_call"
                        vocab_size=sum(t["width"] for t in table), comm_device=device)
     if mode == "first_call":
         on_cuda = device.type == "cuda"
-        _agreed[key] = _Agreed(shard, meta[: len(layout)].clone(), zeros, torch.zeros((), dtype=torch.bool, device=device),
-                               torch.zeros((), dtype=torch.bool).pin_memory() if on_cuda else None,
-                               torch.cuda.Event() if on_cuda else None)
+        _agreed.setdefault(group, {})[layout] = _Agreed(
+            shard.start, shard.width, shard.vocab_size, device, meta[: len(layout)].clone(), zeros,
+            torch.zeros((), dtype=torch.bool, device=device),
+            torch.zeros((), dtype=torch.bool).pin_memory() if on_cuda else None, torch.cuda.Event() if on_cuda else None)
     return shard
 
 
@@ -188,13 +200,13 @@ def _agree_on_device(group: dist.ProcessGroup, local: LocalLayout, agreed: _Agre
     gathered = _gather(group, meta)
     if agreed.event is None:  # a CPU group: reading the table costs no sync
         _raise_if_disagree(_table(gathered.tolist()))
-        return agreed.shard
+        return agreed.shard(group)
     disagreement = (gathered != gathered[:1]).any()
     agreed.flag.logical_or_(disagreement)
     if not capturing:
         agreed.seen.copy_(agreed.flag, non_blocking=True)
         agreed.event.record()
-    return dataclasses.replace(agreed.shard, disagreement=disagreement)
+    return agreed.shard(group, disagreement)
 
 
 def _table(rows: list[list[int]]) -> list[dict]:

@@ -138,6 +138,35 @@ def test_torch_backend_with_tp_group_needs_no_grad(tmp_path):
     assert all("forward-only diagnostic" in m for m in messages), messages
 
 
+def test_first_call_layouts_do_not_keep_a_destroyed_group_alive(tmp_path):
+    """"first_call" mode keeps each group's agreed layouts, the group held weakly: after its owner destroys
+    it the group is collected (held, it lived on with its gloo threads until the interpreter's teardown,
+    where a rank could abort: SIGABRT, 'terminate called without an active exception')."""
+    torch.multiprocessing.spawn(_layouts_rank, args=(str(tmp_path),), nprocs=1, join=True)
+    assert json.loads((tmp_path / "layouts.json").read_text()) == {"agreed_groups": 1, "alive_after_destroy": False,
+                                                                   "agreed_groups_after": 0}
+
+
+def _layouts_rank(rank: int, out_dir: str) -> None:
+    import gc
+    import weakref
+
+    from rl_logp import shard_layout
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.group.WORLD
+    x, y = model_like_logits(4, 100, torch.float32, "cpu"), random_labels(4, 100, "cpu")
+    for _ in range(2):  # the second call takes the agreed layout
+        rl_logp.logprobs(x, y, backend="chunked", tp_group=group, config={"tp_agreement": "first_call"})
+    agreed, alive = len(shard_layout._agreed), weakref.ref(group)
+    del group
+    dist.destroy_process_group()
+    gc.collect()
+    with open(os.path.join(out_dir, "layouts.json"), "w") as f:
+        json.dump({"agreed_groups": agreed, "alive_after_destroy": alive() is not None,
+                   "agreed_groups_after": len(shard_layout._agreed)}, f)
+
+
 def _torch_backend_rank(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
