@@ -9,6 +9,13 @@ import sys
 
 import pytest
 
+# vLLM is imported here, at collection, not first inside a capsys test (main() below imports it): on
+# import it configures logging (vllm/logger.py, dictConfig), which closes every handler in the process;
+# absl's handler (made when megatron.core, e.g. tests/test_verl_megatron.py, imports absl.logging)
+# closes its stream, pytest's capture of sys.stderr, unless that is sys.stderr then, and under capsys
+# it is not: pytest then ends on 'lost sys.stderr'.
+import vllm  # noqa: F401
+
 from rl_logp.check import runner
 from rl_logp.check.__main__ import build_parser, main
 from rl_logp.integrations import vllm as adapter
