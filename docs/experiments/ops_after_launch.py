@@ -36,19 +36,26 @@ CELL = torch.zeros(1, device="cuda")
 CUDA = cuda_source._launch_driver()
 NOW = ctypes.c_void_p()
 NOW_REF = ctypes.byref(NOW)
-LAUNCH = cuda_source.BoundKernel.__call__
 
 
 def rl_logp_call() -> torch.Tensor:
     return rl_logp.full_logprobs(LOGITS, config=CONFIG)
 
 
-def rl_logp_without_launch() -> None:
-    cuda_source.BoundKernel.__call__ = lambda self, stream, pointers: None
-    try:
-        rl_logp.full_logprobs(LOGITS, config=CONFIG)
-    finally:
-        cuda_source.BoundKernel.__call__ = LAUNCH
+def swapped(owner: object, name: str, value: object):
+    """rl-logp's planned call with `owner.name` set to `value` for its duration (the original put back)."""
+    original = getattr(owner, name)
+
+    def call() -> torch.Tensor:
+        setattr(owner, name, value)
+        try:
+            return rl_logp.full_logprobs(LOGITS, config=CONFIG)
+        finally:
+            setattr(owner, name, original)
+    return call
+
+
+rl_logp_without_launch = swapped(cuda_source.BoundKernel, "__call__", lambda self, stream, pointers: None)
 
 
 CUBINS: dict[int, tuple[bytes, str, int, int]] = {}  # a loaded Function's handle: what it was loaded from
@@ -127,41 +134,11 @@ def driver_launch_unchecked(cuda: ctypes.CDLL, context: int, now: ctypes.c_void_
     cuda_source._check(cuda.cuLaunchKernel(*args), "launch")
 
 
-LAUNCH_IN = cuda_source._launch_in
-LAUNCH_DRIVER = cuda_source._launch_driver
 DRIVER_HOLDING_GIL = ctypes.PyDLL("libcuda.so.1")
-
-
-def runtime_call(cudart: ctypes.CDLL):
-    launch = runtime_launcher(cudart)
-
-    def call() -> torch.Tensor:
-        cuda_source.BoundKernel.__call__ = launch
-        try:
-            return rl_logp.full_logprobs(LOGITS, config=CONFIG)
-        finally:
-            cuda_source.BoundKernel.__call__ = LAUNCH
-    return call
-
-
-rl_logp_runtime_launch = runtime_call(CUDART)
-rl_logp_runtime_launch_holding_gil = runtime_call(CUDART_HOLDING_GIL)
-
-
-def rl_logp_unchecked_launch() -> None:
-    cuda_source._launch_in = driver_launch_unchecked
-    try:
-        return rl_logp.full_logprobs(LOGITS, config=CONFIG)
-    finally:
-        cuda_source._launch_in = LAUNCH_IN
-
-
-def rl_logp_launch_holding_gil() -> None:
-    cuda_source._launch_driver = lambda: DRIVER_HOLDING_GIL
-    try:
-        return rl_logp.full_logprobs(LOGITS, config=CONFIG)
-    finally:
-        cuda_source._launch_driver = LAUNCH_DRIVER
+rl_logp_runtime_launch = swapped(cuda_source.BoundKernel, "__call__", runtime_launcher(CUDART))
+rl_logp_runtime_launch_holding_gil = swapped(cuda_source.BoundKernel, "__call__", runtime_launcher(CUDART_HOLDING_GIL))
+rl_logp_unchecked_launch = swapped(cuda_source, "_launch_in", driver_launch_unchecked)
+rl_logp_launch_holding_gil = swapped(cuda_source, "_launch_driver", lambda: DRIVER_HOLDING_GIL)
 
 
 CALLS = {
