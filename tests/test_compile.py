@@ -202,9 +202,9 @@ def test_opcheck_every_op(device, one_rank_group):
         torch.library.opcheck(torch.ops.rl_logp.row_stats.default, (x, *args[1:]))
         _, ent, _, row_max, log_sum = torch.ops.rl_logp.row_stats(*args)
         g = torch.ones(args[0].shape[0], device=device)
-        entropy = args[4]
-        stats = (row_max, log_sum, ent if entropy else None, g if args[1] is not None else None, g if entropy else None)
+        entropy = args[-1][0]
+        stats = [row_max, log_sum, ent if entropy else None, g if args[1] is not None else None, g if entropy else None]
         if stats[3] is None and stats[4] is None:
             continue
-        torch.library.opcheck(torch.ops.rl_logp.grad.default, (args[0], *args[1:], *stats))
-        torch.library.opcheck(torch.ops.rl_logp.grad_.default, (args[0].clone(), *args[1:], *stats))
+        torch.library.opcheck(torch.ops.rl_logp.grad.default, (args[0], *args[1:], stats))
+        torch.library.opcheck(torch.ops.rl_logp.grad_.default, (args[0].clone(), *args[1:], stats))
