@@ -131,7 +131,9 @@ inline float __fmaf_rz(float a, float b, float c) {
   return r;
 }
 
-// cvt.rzi.u64.f32: toward zero, NaN and negatives to 0, at or above 2^64 the largest.
+// cvt.rzi.u64.f32: toward zero, NaN and negatives to 0, at or above 2^64 the largest. On a GPU a NaN does
+// not convert to 0 (an H100: docs/experiments/entropy-nan-wraps.patch); the kernel converts one only in a
+// row whose max is NaN, whose outputs are NaN whatever its sums.
 inline unsigned long long __float2ull_rz(float a) {
   if (!(a > 0.0f)) return 0ull;
   if (a >= 18446744073709551616.0f) return ~0ull;
