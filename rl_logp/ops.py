@@ -8,8 +8,9 @@ The three share one schema for the request (`REQUEST_SCHEMA`); `_flatten` and `_
 place a `LogpRequest` becomes op arguments and back. The request's integers and flags travel as one
 `int[]` and the grad ops' statistics as one `Tensor?[]`: torch's wrappers of a custom op with autograd
 (and of a mutable one) fill in the op's defaults at every call in time quadratic in its argument count
-(`torch._library.utils.fill_defaults`: 35 us for 12 arguments, 68 us for 17 on a CPU), so seven and eight
-arguments cost a training step's forward and backward a fraction of that. Each op has a fake implementation that only builds
+(`torch._library.utils.fill_defaults`), so seven and eight arguments cost a training step's forward and
+in-place backward 12 + 17 us on a CPU where 12 and 17 cost 35 + 71
+(`benchmarks/results/cpu_op_fill_defaults.json`). Each op has a fake implementation that only builds
 output shapes, so the compiler never traces the engines: the chunk loop, the Triton launches, the
 collectives and the validation stay out of the graph, one graph serves every row count, and compiled code
 gives eager's bits. The autograd formula is registered once (`register_autograd`) for every path,

@@ -5,8 +5,9 @@ cast, softmax, exponential noise, divide, argmax, top-k). Prints the median host
 after it, the Xs alternating round by round. Among the Xs, rl-logp's planned call with its cluster kernel
 launched three ways: through the driver as the package does (`cuCtxGetCurrent`, then `cuLaunchKernel`),
 through the driver without the context check, through the driver holding the GIL (a `ctypes.PyDLL` of
-libcuda: ctypes releases the GIL around every call of a `CDLL`'s functions), and through torch's CUDA runtime (`cudaLaunchKernel` of the
-same cubin loaded by `cudaLibraryLoadData`); the three first checked to give the same bits. Run with the
+libcuda: ctypes releases the GIL around every call of a `CDLL`'s functions), and through torch's CUDA
+runtime (`cudaLaunchKernel` of the same cubin loaded by `cudaLibraryLoadData`), with and without the GIL;
+each checked to give the driver launch's bits. Run with the
 package importable and a GPU:
 
     PYTHONPATH=/tmp/pkg:/tmp/site python -P docs/experiments/ops_after_launch.py 8

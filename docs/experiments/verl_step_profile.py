@@ -29,12 +29,19 @@ SMOKE = not torch.cuda.is_available()
 DEVICE = torch.device("cpu" if SMOKE else "cuda")
 
 
+def patched_as(mode: str):
+    """verl patched by rl-logp for the "patched" side (nothing for the other); returns the undo."""
+    from rl_logp.integrations import verl as adapter
+
+    if mode == "patched":
+        adapter.apply()
+    return adapter.revert
+
+
 def main() -> None:
     bench_module.stub_missing_modules()
     import verl.utils.torch_functional as verl_f
     import verl.workers.engine.fsdp.transformer_impl as fsdp_engine
-
-    from rl_logp.integrations import verl as adapter
 
     vocab, hidden, seq = (1031, 32, 20) if SMOKE else (151936, 1024, 1024)
     engines = {mode: bench_module.make_engine(fsdp_engine, verl_f) for mode in ("unpatched", "patched")}
@@ -42,12 +49,6 @@ def main() -> None:
     for rows in [48] if SMOKE else [8192, 32768]:
         bench = bench_module.StepBench(rows, vocab, hidden, DEVICE, seq)
         calls = {mode: bench.fsdp_call(engines[mode], 1.0, False) for mode in engines}
-
-        def patched_as(mode: str):
-            if mode == "patched":
-                adapter.apply()
-            return adapter.revert
-
         host = {}
         for mode in engines:
             restore = patched_as(mode)
