@@ -8,19 +8,23 @@ The three share one schema for the request (`REQUEST_SCHEMA`); `_flatten` and `_
 place a `LogpRequest` becomes op arguments and back. The request's integers and flags travel as one
 `int[]` and the grad ops' statistics as one `Tensor?[]`: torch's wrappers of a custom op with autograd
 (and of a mutable one) fill in the op's defaults at every call in time quadratic in its argument count
-(`torch._library.utils.fill_defaults`), so seven and eight arguments cost a training step's forward and
-in-place backward 12 + 17 us on a CPU where 12 and 17 cost 35 + 71
-(`benchmarks/results/cpu_op_fill_defaults.json`). Each op has a fake implementation that only builds
-output shapes, so the compiler never traces the engines: the chunk loop, the Triton launches, the
-collectives and the validation stay out of the graph, one graph serves every row count, and compiled code
-gives eager's bits. The autograd formula is registered once (`register_autograd`) for every path,
-single-device and vocab-parallel. Why `custom_op` and not `triton_op`: the ops dispatch to two engines
-(one of them plain torch) and to collectives; inductor could not re-schedule anything useful in a
-memory-bound single pass.
+(`torch._library.utils.fill_defaults`): 12 + 17 us for seven and eight arguments on a CPU where 12 and 17
+cost 35 + 71 (`benchmarks/results/cpu_op_fill_defaults.json`). Each op has a fake implementation that only
+builds output shapes, so the compiler never traces the engines: the chunk loop, the Triton launches, the
+collectives and the validation stay out of the graph, one graph serves every row count, and compiled
+code gives eager's bits. One autograd formula (`_setup_row_stats`, `_row_stats_backward`) serves every
+path, single-device and vocab-parallel. Why `custom_op` and not `triton_op`: the ops dispatch to two
+engines (one of them plain torch) and to collectives; inductor could not re-schedule anything useful in
+a memory-bound single pass.
 
-`row_stats(req)` is what the public functions call: on the eager path with nothing to differentiate it
-runs the op's body directly (the dispatcher would only add latency to the rollout-size calls vLLM makes at
-every decode step); otherwise it goes through the op.
+`row_stats(req)` is what the public functions call. Under torch.compile it goes through the op, whose
+autograd formula is registered (`register_autograd`). Eager, it runs the ops' bodies without torch's
+dispatcher: directly where there is nothing to differentiate (the rollout-size calls vLLM makes at every
+decode step), and through `_EagerRowStats`, an `autograd.Function` with the same formula, where autograd
+records the call (a training step's forward and backward: the custom-op wrappers cost them about 165 us
+of host time per step on this repository's CPU, `benchmarks/results/cpu_op_dispatch.json`). Same bodies,
+same bits; the in-place backward bumps the logits' version counter as the mutable op does, so a later
+reader of the overwritten logits still gets autograd's in-place error.
 """
 
 from __future__ import annotations
@@ -66,12 +70,14 @@ def _request(x, labels, temp_rows, t_scalar, engine, group_name, ints) -> LogpRe
 
 
 def row_stats(req: LogpRequest) -> RowStats:
-    """The statistics of a request, through `rl_logp::row_stats` when autograd or the compiler needs the op."""
-    if not (torch.is_grad_enabled() and req.logits.requires_grad) and not torch.compiler.is_compiling():
-        if req.shard is not None:
-            return vocab_parallel_row_stats(req)
-        return make_engine(req.engine, req.chunk_bytes).row_stats(req)
-    logp, ent, lse, row_max, log_sum = torch.ops.rl_logp.row_stats(*_flatten(req))
+    """The statistics of a request: through `rl_logp::row_stats` under the compiler; eager, the engine's
+    where nothing is differentiated, else `_EagerRowStats` (the op's body and autograd formula)."""
+    if torch.compiler.is_compiling():
+        logp, ent, lse, row_max, log_sum = torch.ops.rl_logp.row_stats(*_flatten(req))
+    elif not (torch.is_grad_enabled() and req.logits.requires_grad):
+        return _engine_row_stats(req)
+    else:
+        logp, ent, lse, row_max, log_sum = _EagerRowStats.apply(*_flatten(req))
     return RowStats(row_max=row_max, log_sum=log_sum, lse=lse, logp=logp if req.labels is not None else None,
                     entropy=ent if req.entropy else None)
 
@@ -84,13 +90,22 @@ def _stats_outputs(stats: RowStats, x: torch.Tensor) -> tuple[torch.Tensor, ...]
     )
 
 
-@torch.library.custom_op("rl_logp::row_stats", mutates_args=(),
-                         schema=f"(Tensor x, {REQUEST_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _row_stats_op(*args):
-    req = _request(*args)
+def _engine_row_stats(req: LogpRequest) -> RowStats:
+    """The request's statistics from its engine (vocab-parallel with a shard)."""
     if req.shard is not None:
-        return _stats_outputs(vocab_parallel_row_stats(req), req.logits)
-    return _stats_outputs(make_engine(req.engine, req.chunk_bytes).row_stats(req), req.logits)
+        return vocab_parallel_row_stats(req)
+    return make_engine(req.engine, req.chunk_bytes).row_stats(req)
+
+
+def _row_stats(*args) -> tuple[torch.Tensor, ...]:
+    """The body of `rl_logp::row_stats`."""
+    req = _request(*args)
+    return _stats_outputs(_engine_row_stats(req), req.logits)
+
+
+_row_stats_op = torch.library.custom_op(
+    "rl_logp::row_stats", _row_stats, mutates_args=(),
+    schema=f"(Tensor x, {REQUEST_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 @_row_stats_op.register_fake
@@ -105,14 +120,17 @@ def _grad_request(x, *args) -> tuple[LogpRequest, RowStats, torch.Tensor | None,
     return _request(x, *request_args), RowStats(row_max=row_max, log_sum=log_sum, entropy=ent), g_logp, g_entropy
 
 
-@torch.library.custom_op("rl_logp::grad", mutates_args=(),
-                         schema=f"(Tensor x, {REQUEST_SCHEMA}, {STATS_SCHEMA}) -> Tensor")
-def _grad_op(x, *args):
-    """dz of logp (g_logp given) and/or entropy (g_entropy given) for this block of columns."""
+def _grad(x, *args) -> torch.Tensor:
+    """The body of `rl_logp::grad`: dz of logp (g_logp given) and/or entropy (g_entropy given) for this
+    block of columns."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     req, stats, g_logp, g_entropy = _grad_request(x, *args)
     make_engine(req.engine, req.chunk_bytes).grad(req, stats, g_logp, g_entropy, out)
     return out
+
+
+_grad_op = torch.library.custom_op(
+    "rl_logp::grad", _grad, mutates_args=(), schema=f"(Tensor x, {REQUEST_SCHEMA}, {STATS_SCHEMA}) -> Tensor")
 
 
 @_grad_op.register_fake
@@ -120,12 +138,16 @@ def _grad_fake(x, *args):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("rl_logp::grad_", mutates_args=("x",),
-                         schema=f"(Tensor(a!) x, {REQUEST_SCHEMA}, {STATS_SCHEMA}) -> ()")
-def _grad_inplace_op(x, *args):
-    """`grad`, written over `x` (the gradient replaces the logits it was computed from)."""
+def _grad_into(x, *args) -> None:
+    """The body of `rl_logp::grad_`: `grad`, written over `x` (the gradient replaces the logits it was
+    computed from)."""
     req, stats, g_logp, g_entropy = _grad_request(x, *args)
     make_engine(req.engine, req.chunk_bytes).grad(req, stats, g_logp, g_entropy, x)
+
+
+_grad_inplace_op = torch.library.custom_op(
+    "rl_logp::grad_", _grad_into, mutates_args=("x",),
+    schema=f"(Tensor(a!) x, {REQUEST_SCHEMA}, {STATS_SCHEMA}) -> ()")
 
 
 @_grad_inplace_op.register_fake
@@ -139,6 +161,7 @@ def _setup_row_stats(ctx, inputs, output) -> None:
     ctx.save_for_backward(x, labels, temp_rows, row_max, log_sum, ent)
     ctx.args = inputs[3:]
     ctx.mark_non_differentiable(output[2], output[3], output[4])
+    ctx.eager = False
 
 
 def _row_stats_backward(ctx, g_logp, g_entropy, g_lse, g_max, g_log_sum):
@@ -155,12 +178,32 @@ def _row_stats_backward(ctx, g_logp, g_entropy, g_lse, g_max, g_log_sum):
             "supported; compute higher derivatives with backend='torch'"
         )
     args = (labels, temp_rows, *ctx.args, [row_max, log_sum, ent if req.entropy else None, g_logp, g_entropy])
+    eager = ctx.eager and not torch.compiler.is_compiling()  # compiled autograd traces the ops
     if req.inplace_backward:
-        torch.ops.rl_logp.grad_(x, *args)
+        if eager:
+            _grad_into(x, *args)
+            torch.autograd.graph.increment_version(x)  # what the mutable op's wrapper does
+        else:
+            torch.ops.rl_logp.grad_(x, *args)
         # A new tensor over x's storage: autograd may then take it as the leaf's .grad as it is, where
         # x itself (still referenced by the caller) would be copied into a logits-sized buffer.
         return x.detach(), *none
-    return torch.ops.rl_logp.grad(x, *args), *none
+    return (_grad(x, *args) if eager else torch.ops.rl_logp.grad(x, *args)), *none
 
 
 torch.library.register_autograd("rl_logp::row_stats", _row_stats_backward, setup_context=_setup_row_stats)
+
+
+class _EagerRowStats(torch.autograd.Function):
+    """`rl_logp::row_stats` with its autograd formula, eager and without torch's dispatcher: the op's body,
+    setup and backward, the backward running the grad ops' bodies. The forward takes `ctx` (no separate
+    `setup_context`: with one, `apply` binds the arguments through `inspect.signature` at every call)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        output = _row_stats(*args)
+        _setup_row_stats(ctx, args, output)
+        ctx.eager = True
+        return output
+
+    backward = staticmethod(_row_stats_backward)

@@ -208,3 +208,34 @@ def test_opcheck_every_op(device, one_rank_group):
             continue
         torch.library.opcheck(torch.ops.rl_logp.grad.default, (args[0], *args[1:], stats))
         torch.library.opcheck(torch.ops.rl_logp.grad_.default, (args[0].clone(), *args[1:], stats))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("inplace", [False, True], ids=["new_buffer", "inplace"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, "rows"])
+def test_eager_autograd_function_gives_the_ops_bits(device, inplace, temperature, monkeypatch):
+    """Eager training calls run the ops' bodies under `ops._EagerRowStats` (no dispatcher); through
+    `rl_logp::row_stats` and its registered formula (what torch.compile runs) they give the same logp,
+    entropy and gradient bits, and the in-place backward bumps the logits' version counter either way."""
+    import types
+
+    from rl_logp import ops
+
+    x, y = _inputs(256, 3001, device, False, seed=11)
+    t = torch.rand(256, device=device) + 0.5 if temperature == "rows" else temperature
+
+    def run():
+        leaf = x.detach().clone().requires_grad_(True)
+        logits = leaf * 1.0
+        logp, h = rl_logp.logprobs_and_entropy(logits, y, temperature=t, inplace_backward=inplace)
+        version = logits._version
+        (logp.sum() + 0.5 * h.sum()).backward()
+        return logp.detach(), h.detach(), leaf.grad, logits._version - version, type(logp.grad_fn).__name__
+
+    eager = run()
+    monkeypatch.setattr(ops, "_EagerRowStats", types.SimpleNamespace(apply=torch.ops.rl_logp.row_stats))
+    through_ops = run()
+    assert eager[4] == "_EagerRowStatsBackward" and through_ops[4] != eager[4]
+    for got, want in zip(eager[:3], through_ops[:3], strict=True):
+        assert mismatches(got, want) == 0
+    assert eager[3] == through_ops[3] and (eager[3] > 0) == inplace
