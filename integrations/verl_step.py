@@ -168,28 +168,38 @@ def current_plan() -> StepPlan | None:
     return _plan.get()
 
 
-def _flag(micro_batch: Any, key: str, default: Any = False) -> Any:
+def _flags(micro_batch: Any) -> Callable[..., Any]:
+    """`flag(key, default=False)`: the micro-batch's non-tensor value of `key`, each key read from the
+    tensordict once (several sites ask for the same flag; a read costs microseconds)."""
     from verl.utils import tensordict_utils as tu
 
-    return tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
+    read: dict[str, Any] = {}
+
+    def flag(key: str, default: Any = False) -> Any:
+        if key not in read:
+            read[key] = tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
+        return read[key]
+
+    return flag
 
 
 def fsdp_plan(engine: Any, micro_batch: Any, output_args: dict, auditor: Auditor) -> StepPlan:
     """The plan for one call of verl 0.9.1's FSDP `prepare_model_outputs`, auditing its bindings and flags
     (strict mode raises here, before verl's body runs)."""
-    bypassed = bool(auditor.unrouted(engine, lambda key: bool(_flag(micro_batch, key))))
+    flag = _flags(micro_batch)
+    bypassed = bool(auditor.unrouted(engine, lambda key: bool(flag(key))))
     for key, (site, why, fix) in FLAG_BYPASSES.items():
-        if _flag(micro_batch, key):
+        if flag(key):
             auditor.bypass(site, why, fix)
             bypassed = True
     bypassed = bypassed or auditor.flagged(engine)
-    distillation = bool(_flag(micro_batch, "distillation_use_topk"))
-    rmpad = bool(_flag(micro_batch, "use_remove_padding", True))
-    entropy = bool(_flag(micro_batch, "calculate_entropy"))
+    distillation = bool(flag("distillation_use_topk"))
+    rmpad = bool(flag("use_remove_padding", True))
+    entropy = bool(flag("calculate_entropy"))
     checkpointing = bool(getattr(engine.engine_config, "entropy_checkpointing", False))
     # Entropy checkpointing recomputes the entropy in the backward, outside this call: T must be in the
     # logits by then. Without remove-padding verl repacks the logits (nested narrow + cat) before logp.
-    combine = not bypassed and rmpad and entropy and not checkpointing and not _flag(micro_batch, "distillation_only")
+    combine = not bypassed and rmpad and entropy and not checkpointing and not flag("distillation_only")
     return StepPlan(
         verl_scaling=bypassed,
         defer_temperature=not bypassed and rmpad and not (entropy and checkpointing),
