@@ -197,13 +197,16 @@ torch.library.register_autograd("rl_logp::row_stats", _row_stats_backward, setup
 class _EagerRowStats(torch.autograd.Function):
     """`rl_logp::row_stats` with its autograd formula, eager and without torch's dispatcher: the op's body,
     setup and backward, the backward running the grad ops' bodies. The forward takes `ctx` (no separate
-    `setup_context`: with one, `apply` binds the arguments through `inspect.signature` at every call)."""
+    `setup_context`: with one, `apply` binds the arguments through `inspect.signature` at every call).
+    Gradients of outputs nothing used stay None, as the op's formula gets them (materialised, they would
+    be zero tensors allocated and filled at every backward)."""
 
     @staticmethod
     def forward(ctx, *args):
         output = _row_stats(*args)
         _setup_row_stats(ctx, args, output)
         ctx.eager = True
+        ctx.set_materialize_grads(False)
         return output
 
     backward = staticmethod(_row_stats_backward)

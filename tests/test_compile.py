@@ -239,3 +239,21 @@ def test_eager_autograd_function_gives_the_ops_bits(device, inplace, temperature
     for got, want in zip(eager[:3], through_ops[:3], strict=True):
         assert mismatches(got, want) == 0
     assert eager[3] == through_ops[3] and (eager[3] > 0) == inplace
+
+
+def test_eager_backward_gets_no_zero_filled_gradients(monkeypatch):
+    """The eager Function leaves the gradients of outputs nothing used as None: materialised, each would be
+    a zero tensor allocated and filled at every backward (the GPU memory test counts the bytes)."""
+    from rl_logp import ops
+
+    received = []
+    backward = ops._EagerRowStats.backward
+
+    def spy(ctx, *grads):
+        received.append([g is None for g in grads])
+        return backward(ctx, *grads)
+
+    monkeypatch.setattr(ops._EagerRowStats, "backward", staticmethod(spy))
+    x, y = _inputs(64, 257, "cpu", False, seed=3)
+    rl_logp.logprobs(x.float().requires_grad_(True) * 1.0, y).sum().backward()
+    assert received == [[False, True, True, True, True]]  # logp's gradient only
