@@ -198,15 +198,15 @@ class _EagerRowStats(torch.autograd.Function):
     """`rl_logp::row_stats` with its autograd formula, eager and without torch's dispatcher: the op's body,
     setup and backward, the backward running the grad ops' bodies. The forward takes `ctx` (no separate
     `setup_context`: with one, `apply` binds the arguments through `inspect.signature` at every call).
-    Gradients of outputs nothing used stay None, as the op's formula gets them (materialised, they would
-    be zero tensors allocated and filled at every backward)."""
+    The gradients of outputs the loss does not use reach the formula as zeros, as they reach it through the
+    op: an unused entropy's zero gradient still takes the kernel's entropy term (a zero that can turn a -0
+    of the logp's gradient into +0), so both paths write the same bits."""
 
     @staticmethod
     def forward(ctx, *args):
         output = _row_stats(*args)
         _setup_row_stats(ctx, args, output)
         ctx.eager = True
-        ctx.set_materialize_grads(False)
         return output
 
     backward = staticmethod(_row_stats_backward)
