@@ -1,0 +1,47 @@
+"""The backward's peak memory of the call in `tests/test_fused_kernel.py`'s
+`test_forward_allocates_only_outputs_and_backward_only_the_gradient`, through today's eager path
+(`rl_logp.ops._EagerRowStats`) and through the op (`rl_logp::row_stats` and its registered formula), on a
+CUDA GPU.
+
+For each side and T (None, 0.7): `rl_logp.logprobs` of 4096 x 151936 bf16 leaf logits (fused, out of place),
+then `sum().backward()`; prints the peak allocated above the memory before the backward, minus the
+gradient's bytes, beside the test's slack (256 bytes a row). An H100 at 7d946cc failed that test by 50176
+bytes on the eager path; this says whether the op path does too.
+
+    PYTHONPATH=/tmp/pkg:/tmp/site python -P docs/experiments/backward_peak_paths.py
+"""
+
+import types
+
+import torch
+
+import rl_logp
+from rl_logp import ops
+
+
+def main() -> None:
+    n, vocab = 4096, 151936
+    x = torch.randn(n, vocab, device="cuda").to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    leaf = x.clone().requires_grad_(True)
+    rl_logp.logprobs(leaf * 1.0, labels, backend="fused", temperature=0.7).sum().backward()  # compile first
+    eager = ops._EagerRowStats
+    try:
+        for side in ("eager", "op", "eager"):
+            ops._EagerRowStats = eager if side == "eager" else types.SimpleNamespace(apply=torch.ops.rl_logp.row_stats)
+            for temperature in (None, 0.7):
+                y = (leaf * 1.0).detach().requires_grad_(True)
+                out = rl_logp.logprobs(y, labels, backend="fused", temperature=temperature)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                out.sum().backward()
+                extra = torch.cuda.max_memory_allocated() - base - y.numel() * 2
+                print(f"{side:5s} T={temperature}: backward peak above the gradient {extra} bytes (slack {256 * n})",
+                      flush=True)
+    finally:
+        ops._EagerRowStats = eager
+
+
+if __name__ == "__main__":
+    main()
