@@ -11,12 +11,16 @@ bytes on the eager path; this says whether the op path does too.
     PYTHONPATH=/tmp/pkg:/tmp/site python -P docs/experiments/backward_peak_paths.py
 """
 
-import types
+import contextlib
+import pathlib
+import sys
 
 import torch
 
 import rl_logp
-from rl_logp import ops
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from op_dispatch_cost import through_the_ops
 
 
 def main() -> None:
@@ -25,10 +29,8 @@ def main() -> None:
     labels = torch.randint(0, vocab, (n,), device="cuda")
     leaf = x.clone().requires_grad_(True)
     rl_logp.logprobs(leaf * 1.0, labels, backend="fused", temperature=0.7).sum().backward()  # compile first
-    eager = ops._EagerRowStats
-    try:
-        for side in ("eager", "op", "eager"):
-            ops._EagerRowStats = eager if side == "eager" else types.SimpleNamespace(apply=torch.ops.rl_logp.row_stats)
+    for side in ("eager", "op", "eager"):
+        with through_the_ops() if side == "op" else contextlib.nullcontext():
             for temperature in (None, 0.7):
                 y = (leaf * 1.0).detach().requires_grad_(True)
                 out = rl_logp.logprobs(y, labels, backend="fused", temperature=temperature)
@@ -39,8 +41,6 @@ def main() -> None:
                 extra = torch.cuda.max_memory_allocated() - base - y.numel() * 2
                 print(f"{side:5s} T={temperature}: backward peak above the gradient {extra} bytes (slack {256 * n})",
                       flush=True)
-    finally:
-        ops._EagerRowStats = eager
 
 
 if __name__ == "__main__":
