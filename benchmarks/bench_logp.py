@@ -438,21 +438,25 @@ def run_rollout(args, device, report: Report) -> None:
 
 
 @contextlib.contextmanager
-def stubbed_forward_launch():
-    """The forward kernel's launch replaced by a no-op (the CPU: the interpreter's launch runs the kernel),
-    so what is timed is the Python and torch work around it."""
+def stubbed_launches(*names: str):
+    """The launches of `rl_logp.kernels.launch`'s cached launchers `names` (the forward kernel's,
+    "row_stats_launch", by default) replaced by no-ops (the CPU: the interpreter's launch runs the kernel),
+    so what is timed is the Python and torch work around them."""
     from rl_logp.kernels import launch
 
     class NoLaunch:
         def __getitem__(self, grid):
             return lambda *args, **options: None
 
-    kernel = launch.row_stats_launch.kernel
-    launch.row_stats_launch.kernel = NoLaunch()
+    launchers = [getattr(launch, name) for name in names or ("row_stats_launch",)]
+    kernels = [launcher.kernel for launcher in launchers]
+    for launcher in launchers:
+        launcher.kernel = NoLaunch()
     try:
         yield
     finally:
-        launch.row_stats_launch.kernel = kernel
+        for launcher, kernel in zip(launchers, kernels, strict=True):
+            launcher.kernel = kernel
 
 
 def run_overhead(args, device, report: Report) -> None:
@@ -551,7 +555,7 @@ def run_overhead(args, device, report: Report) -> None:
             del pieces[name]
     with torch.no_grad():
         for name, (fn, path) in pieces.items():
-            stub = stubbed_forward_launch() if path is not None and stubbed else contextlib.nullcontext()
+            stub = stubbed_launches() if path is not None and stubbed else contextlib.nullcontext()
             with stub, (path or contextlib.nullcontext)():
                 for _ in range(20):
                     fn()

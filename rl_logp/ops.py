@@ -120,12 +120,16 @@ def _grad_request(x, *args) -> tuple[LogpRequest, RowStats, torch.Tensor | None,
     return _request(x, *request_args), RowStats(row_max=row_max, log_sum=log_sum, entropy=ent), g_logp, g_entropy
 
 
-def _grad(x, *args) -> torch.Tensor:
-    """The body of `rl_logp::grad`: dz of logp (g_logp given) and/or entropy (g_entropy given) for this
-    block of columns."""
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+def _write_grad(x: torch.Tensor, out: torch.Tensor, args: tuple) -> None:
+    """dz of logp (g_logp given) and/or entropy (g_entropy given) for this block of columns, into `out`."""
     req, stats, g_logp, g_entropy = _grad_request(x, *args)
     make_engine(req.engine, req.chunk_bytes).grad(req, stats, g_logp, g_entropy, out)
+
+
+def _grad(x, *args) -> torch.Tensor:
+    """The body of `rl_logp::grad`: the gradient in a new tensor."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _write_grad(x, out, args)
     return out
 
 
@@ -139,10 +143,9 @@ def _grad_fake(x, *args):
 
 
 def _grad_into(x, *args) -> None:
-    """The body of `rl_logp::grad_`: `grad`, written over `x` (the gradient replaces the logits it was
-    computed from)."""
-    req, stats, g_logp, g_entropy = _grad_request(x, *args)
-    make_engine(req.engine, req.chunk_bytes).grad(req, stats, g_logp, g_entropy, x)
+    """The body of `rl_logp::grad_`: the gradient written over `x` (it replaces the logits it was computed
+    from)."""
+    _write_grad(x, x, args)
 
 
 _grad_inplace_op = torch.library.custom_op(

@@ -14,8 +14,10 @@ Python and torch work around them; on a GPU the launches are real and the loop n
 import argparse
 import contextlib
 import json
+import pathlib
 import platform
 import statistics
+import sys
 import time
 import types
 
@@ -23,28 +25,11 @@ import torch
 
 import rl_logp
 from rl_logp import ops
-from rl_logp.kernels import launch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+from bench_logp import _sync, stubbed_launches
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-class _NoLaunch:
-    def __getitem__(self, grid):
-        return lambda *args, **options: None
-
-
-@contextlib.contextmanager
-def stubbed_launches():
-    """On a CPU, the forward's and the gradient's Triton launches replaced by no-ops."""
-    if DEVICE.type == "cuda":
-        yield
-        return
-    saved = launch.row_stats_launch.kernel, launch.grad_launch.kernel
-    launch.row_stats_launch.kernel = launch.grad_launch.kernel = _NoLaunch()
-    try:
-        yield
-    finally:
-        launch.row_stats_launch.kernel, launch.grad_launch.kernel = saved
 
 
 @contextlib.contextmanager
@@ -81,20 +66,19 @@ def main() -> None:
     sides = {"through the ops": (rl_logp_step, through_the_ops), "eager autograd.Function": (rl_logp_step, None),
              "without rl-logp (row sums)": (without_rl_logp, None)}
     samples = {side: [] for side in sides}
-    with stubbed_launches():
+    # On a CPU the forward's and the gradient's launches are stubbed out; on a GPU they run.
+    with stubbed_launches("row_stats_launch", "grad_launch") if DEVICE.type == "cpu" else contextlib.nullcontext():
         for _ in range(5):
             for side, (step, path) in sides.items():
                 with (path or contextlib.nullcontext)():
                     for _ in range(50):
                         step()
-                    if DEVICE.type == "cuda":
-                        torch.cuda.synchronize()
+                    _sync(DEVICE)
                     start = time.perf_counter()
                     for _ in range(args.steps):
                         step()
                     samples[side].append((time.perf_counter() - start) / args.steps * 1e6)
-                    if DEVICE.type == "cuda":
-                        torch.cuda.synchronize()
+                    _sync(DEVICE)
     table = [{"side": side, "host_us_per_step": statistics.median(runs), "rounds_us": runs} for side, runs in samples.items()]
     for row in table:
         print(f"{row['side']:28s} {row['host_us_per_step']:8.1f} us per step")
