@@ -161,6 +161,14 @@ __device__ __forceinline__ u32 landed(u32 bar) {
   return done;
 }
 
+// cvt.rzi.u64.f32 (toward zero, negatives to 0) as the instruction itself: what it gives a NaN is the
+// GPU's (`nan_wraps`), never a compiler's assumption.
+__device__ __forceinline__ u64 convert_rz_u64(float a) {
+  u64 d;
+  asm("cvt.rzi.u64.f32 %0, %1;" : "=l"(d) : "f"(a));
+  return d;
+}
+
 __device__ __forceinline__ u64 global_ns() {
   u64 t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -219,6 +227,20 @@ __device__ __forceinline__ float load_logit(const unsigned char* row, i64 col) {
 #endif
 }
 
+// A row's k-th label and its logit (`owned`: the label is a column of this row; else the logit is column 0's,
+// unused).
+struct Pick {
+  bool owned;
+  float logit;
+};
+
+__device__ __forceinline__ Pick load_pick(const i64* labels, i64 row, int n_picks, int k, const unsigned char* x_row,
+                                          int n_cols) {
+  i64 label = labels[row * n_picks + k];
+  bool owned = label >= 0 && label < n_cols;
+  return {owned, load_logit(x_row, owned ? label : 0)};
+}
+
 // z = x / T, the IEEE quotient as the Triton kernels form it: none (DIV 0), the reciprocal and one fma
 // correction (DIV 1, `scale_logits` without the pair), div_rn (DIV 2), fma(x, hi, x lo) with `row_divisor`'s
 // pair for 16-bit logits (DIV 3; `inv_t` holds hi, `inv_lo` lo).
@@ -252,7 +274,8 @@ struct Sums {
   u64 e;
 };
 
-template <int DIV>
+// CLAMP: the entropy's factor is min(nd, 200), else nd (see `nan_wraps` in the kernel).
+template <int DIV, bool CLAMP>
 __device__ __forceinline__ void add_term(Sums& acc, float x, float t, float inv_t, float inv_lo, float shift) {
   float z = divide<DIV>(x, t, inv_t, inv_lo);
   float nd = shift - z;
@@ -271,8 +294,10 @@ __device__ __forceinline__ void add_term(Sums& acc, float x, float t, float inv_
 #if ENTROPY
   // trunc(u 2^40) of u = e min(nd, 200) (min: 0 * inf of a masked column kept out): round(e 2^40 min(nd,
   // 200)) is u 2^40 wherever u is normal, and below 2^-126 both truncate to 0; u < 1, so u 2^40 < 2^40.
-  float u40 = (r * ss) * fminf(nd, 200.0f);
-  acc.e += __float2ull_rz(u40);
+  // Without the min (CLAMP false) the factor is nd: past nd = 200 e is 0 either way, and a masked column's
+  // term is the conversion of 0 * inf = NaN, which the kernel's final sum clears (`nan_wraps`).
+  float u40 = (r * ss) * (CLAMP ? fminf(nd, 200.0f) : nd);
+  acc.e += convert_rz_u64(u40);
 #endif
 }
 
@@ -281,25 +306,25 @@ __device__ __forceinline__ i64 total(u32 hi, u32 lo, u32 n_terms) {
   return ((i64)(u64)(hi - n_terms * HI_PATTERN) << 20) + (i64)(u64)(lo - n_terms * LO_PATTERN);
 }
 
-template <int DIV>
+template <int DIV, bool CLAMP>
 __device__ __forceinline__ Sums slice_sums(const uint4* v, int n_vec, float t, float inv_t, float inv_lo, float shift) {
   Sums acc = {0u, 0u, 0ull};
 #pragma unroll 2
   for (int i = threadIdx.x; i < n_vec; i += THREADS) {
     uint4 w = v[i];
 #if ELEM == 2
-    add_term<DIV>(acc, __uint_as_float(w.x), t, inv_t, inv_lo, shift);
-    add_term<DIV>(acc, __uint_as_float(w.y), t, inv_t, inv_lo, shift);
-    add_term<DIV>(acc, __uint_as_float(w.z), t, inv_t, inv_lo, shift);
-    add_term<DIV>(acc, __uint_as_float(w.w), t, inv_t, inv_lo, shift);
+    add_term<DIV, CLAMP>(acc, __uint_as_float(w.x), t, inv_t, inv_lo, shift);
+    add_term<DIV, CLAMP>(acc, __uint_as_float(w.y), t, inv_t, inv_lo, shift);
+    add_term<DIV, CLAMP>(acc, __uint_as_float(w.z), t, inv_t, inv_lo, shift);
+    add_term<DIV, CLAMP>(acc, __uint_as_float(w.w), t, inv_t, inv_lo, shift);
 #else
     u32 words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       float a, b;
       widen_pair(words[k], a, b);
-      add_term<DIV>(acc, a, t, inv_t, inv_lo, shift);
-      add_term<DIV>(acc, b, t, inv_t, inv_lo, shift);
+      add_term<DIV, CLAMP>(acc, a, t, inv_t, inv_lo, shift);
+      add_term<DIV, CLAMP>(acc, b, t, inv_t, inv_lo, shift);
     }
 #endif
   }
@@ -342,7 +367,7 @@ struct BlockShared {
   float peer_max[CLUSTER];
   float warp_max[WARPS];
   i64 warp_s[WARPS];
-  i64 warp_e[WARPS];
+  u64 warp_e[WARPS];
 };
 
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, MIN_BLOCKS)
@@ -366,6 +391,10 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
     if (bytes) start_slice_copy(slice, x_row + (i64)col0 * ESIZE, bytes, &sh.full);
   }
   cluster_arrive_relaxed();
+  // Block 0's threads that write a label's logp load their first label and its logit now (past the cluster
+  // arrival, which the peers wait on), behind the copy: the row's end does not wait for two dependent loads.
+  const bool picks_early = out_logp && rank == 0 && (int)threadIdx.x < n_picks;
+  const Pick first = picks_early ? load_pick(labels, row, n_picks, threadIdx.x, x_row, n_cols) : Pick{false, 0.0f};
   // The division (`row_divisor` / `row_reciprocal`) as far as T decides it; the row's max decides the rest
   // below. `row_reciprocal`'s range of T, and there its reciprocal.
   bool t_ok = false, use_pair = false;
@@ -443,13 +472,20 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
     inv_t = !ok ? 0.0f : use_pair ? down : recip;
     inv_lo = ok && use_pair ? rest : 0.0f;
   }
+  // A masked column's entropy term e nd is 0 * inf = NaN. The sums are modulo 2^64, and a row's true
+  // entropy sum is below 2^63 (under 2^23 columns of terms below 2^40): where this GPU converts a NaN to 0
+  // or 2^63, clearing the total's bit 63 takes every such term out, and the terms skip min(nd, 200) (an
+  // instruction a logit); elsewhere they keep it. The NaN is made at run time ((t - t) inf for any t).
+  const bool nan_wraps = ENTROPY && (convert_rz_u64((t - t) * __int_as_float(0x7f800000)) << 1) == 0;
   Sums acc;
-#define SUMS(D) acc = slice_sums<D>(v, n_vec, t, inv_t, inv_lo, shift)
+#define SUMS(D) \
+  acc = nan_wraps ? slice_sums<D, false>(v, n_vec, t, inv_t, inv_lo, shift) \
+                  : slice_sums<D, true>(v, n_vec, t, inv_t, inv_lo, shift)
   BY_DIVISION(SUMS);
   // Terms this thread added: ESIZE-byte logits, 16 bytes per vector.
   const u32 n_terms = (u32)(((n_vec - (int)threadIdx.x + THREADS - 1) / THREADS) * (16 / ESIZE));
   i64 s = threadIdx.x < n_vec ? total(acc.s_hi, acc.s_lo, n_terms) : 0;
-  i64 e = (i64)acc.e;
+  u64 e = acc.e;  // modulo 2^64 (see `nan_wraps`)
   for (int o = 16; o; o >>= 1) {
     s += __shfl_xor_sync(0xffffffffu, s, o);
     e += __shfl_xor_sync(0xffffffffu, e, o);
@@ -466,7 +502,7 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
       s += sh.warp_s[w];
       e += sh.warp_e[w];
     }
-    push_pair(sh.peer_sums[rank], &sh.sums_full, threadIdx.x, s, e);
+    push_pair(sh.peer_sums[rank], &sh.sums_full, threadIdx.x, s, (i64)e);
   }
   if (warp == 0) wait_landed<EXCHANGE_WAIT_NS>(&sh.sums_full);
   __syncthreads();
@@ -476,12 +512,13 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
   if (!out_full && (rank != 0 || (threadIdx.x != 0 && (!out_logp || (int)threadIdx.x >= n_picks)))) return;
 
   // `finalize_row`, in the same operations (in every thread that writes: the same integers, the same results).
-  i64 fixed = 0, entropy_fixed = 0;
+  i64 fixed = 0;
+  u64 entropy_sum = 0;
   for (int r = 0; r < CLUSTER; ++r) {
     fixed += sh.peer_sums[r][0];
-    entropy_fixed += sh.peer_sums[r][1];
+    entropy_sum += (u64)sh.peer_sums[r][1];
   }
-  entropy_fixed = 0 - entropy_fixed;
+  const i64 entropy_fixed = 0 - (i64)(entropy_sum & ~(1ull << 63));  // bit 63: `nan_wraps`
   const float nan = __int_as_float(0x7fc00000);
   double sd = (double)fixed;
   double log_sum = log(sd * (double)9.094947017729282e-13f);  // 2^-40
@@ -495,12 +532,10 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
   if (rank != 0) return;
   if (out_logp) {  // the row's n_picks labels, a thread each
     for (int k = threadIdx.x; k < n_picks; k += THREADS) {
-      i64 label = labels[row * n_picks + k];
-      bool owned = label >= 0 && label < n_cols;
-      float target = load_logit(x_row, owned ? label : 0);
-      if (TEMP) target = __fdiv_rn(target, t);
+      Pick pick = k == (int)threadIdx.x ? first : load_pick(labels, row, n_picks, k, x_row, n_cols);
+      float target = TEMP ? __fdiv_rn(pick.logit, t) : pick.logit;
       float logp = row_max != neg_inf ? (target - row_max) - log_sum32 : 0.0f;
-      out_logp[row * n_picks + k] = owned ? logp : 0.0f;
+      out_logp[row * n_picks + k] = pick.owned ? logp : 0.0f;
     }
   }
   if (threadIdx.x != 0) return;

@@ -211,14 +211,17 @@ SANITIZERS = {None: [], "thread": ["-g", "-fsanitize=thread"],
               "address": ["-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]}
 
 
-def _emulator(directory, element, cluster, entropy, temperature, threads, sanitize) -> pathlib.Path:
+def _emulator(directory, element, cluster, entropy, temperature, threads, sanitize, nan_term=None) -> pathlib.Path:
     """The kernel's source compiled for the CPU with `emulation/cluster_emulation.h` (every thread of a
     cluster a CPU thread), once per variant; `sanitize`: None, "thread" (ThreadSanitizer) or "address"
-    (AddressSanitizer and UndefinedBehaviorSanitizer)."""
-    key = (element, cluster, entropy, temperature, threads, sanitize)
+    (AddressSanitizer and UndefinedBehaviorSanitizer); `nan_term`: what the emulated conversion gives a NaN
+    (None: the header's default, 2^63)."""
+    key = (element, cluster, entropy, temperature, threads, sanitize, nan_term)
     if key not in _emulators:
         binary = directory / ("emulator_" + "_".join(str(k) for k in key))
         macros = cluster_launch.variant_options(element, cluster, entropy, temperature, threads, 98304)[1:]
+        if nan_term is not None:
+            macros.append(f"-DEMULATED_NAN_TERM={nan_term}ull")
         subprocess.run(["g++", "-std=c++20", "-O1", *SANITIZERS[sanitize], "-pthread", "-frounding-math", "-ffp-contract=off",
                         "-DCLUSTER_HOST_EMULATION", f'-DKERNEL_SOURCE="{cluster_launch.SOURCE}"', *macros,
                         f"-I{EMULATION}", str(EMULATION / "cluster_emulation_main.cpp"), "-o", str(binary)],
@@ -227,14 +230,14 @@ def _emulator(directory, element, cluster, entropy, temperature, threads, saniti
     return _emulators[key]
 
 
-def _emulate(directory, x, labels, temperature, entropy, full, slice_bytes, threads, sanitize=None):
+def _emulate(directory, x, labels, temperature, entropy, full, slice_bytes, threads, sanitize=None, nan_term=None):
     """The cluster kernel's outputs for a launch as `ClusterLaunch` makes it (M, L, lse, the labels' logp,
     entropy, every column's logprob), run on the CPU (under a sanitizer, `_emulator`: what it reports
     fails the run)."""
     n, vocab = x.shape
     cluster, width = cluster_launch.cluster_width(vocab, x.element_size(), slice_bytes)
     binary = _emulator(directory, cluster_launch.ELEMENT_CODES[x.dtype], cluster, entropy, temperature is not None,
-                       threads, sanitize)
+                       threads, sanitize, nan_term)
     run_dir = pathlib.Path(tempfile.mkdtemp(dir=directory))
     x.contiguous().view(torch.uint8).numpy().tofile(run_dir / "x.bin")
     picks = 1 if labels is None or labels.dim() == 1 else labels.shape[1]
@@ -276,9 +279,10 @@ EMULATED += [(torch.bfloat16, True, False, 96, 4), (torch.bfloat16, True, True, 
              (torch.float32, False, False, 512, None)]
 
 
-def _check_emulated(tmp_path_factory, dtype, temperatures, entropy, threads, cluster, sanitize=None):
+def _check_emulated(tmp_path_factory, dtype, temperatures, entropy, threads, cluster, sanitize=None, nan_term=None,
+                    n_picks=5):
     """The emulated kernel against the chunked engine on the CPU, every output bit for bit (see the test
-    below), for each temperature of `temperatures`."""
+    below), for each temperature of `temperatures`; `n_picks` labels a row in the rows of several."""
     from rl_logp.engines import make_engine
 
     directory = tmp_path_factory.getbasetemp() / "cluster_emulation"
@@ -299,7 +303,7 @@ def _check_emulated(tmp_path_factory, dtype, temperatures, entropy, threads, clu
         labels = random_labels(n, vocab, "cpu", seed=cluster or 0)
         if n > 10:
             _edge_rows(x, labels)
-        picks = torch.cat([labels[:, None], random_labels(n * 4, vocab, "cpu", seed=2).view(n, 4)], dim=1)
+        picks = torch.cat([labels[:, None], random_labels(n * (n_picks - 1), vocab, "cpu", seed=2).view(n, -1)], dim=1)
         picks[:, 1] = -100
         for t in temperatures:
             for ids, full in ((labels, False), (picks, False), (picks, True)):
@@ -307,7 +311,7 @@ def _check_emulated(tmp_path_factory, dtype, temperatures, entropy, threads, clu
                 req.normalizer, req.full = True, full
                 s = engine.row_stats(req)
                 want = [s.row_max, s.log_sum, s.lse, s.logp, s.entropy, s.full]
-                got = _emulate(directory, x, ids, t, entropy, full, slice_bytes, threads, sanitize)
+                got = _emulate(directory, x, ids, t, entropy, full, slice_bytes, threads, sanitize, nan_term)
                 for name, a, b in zip(("M", "L", "lse", "logp", "entropy", "full"), got, want, strict=True):
                     if a is not None:
                         assert _same(a, b), (name, vocab, t, full, int((bits(a) != bits(b)).sum()))
@@ -325,6 +329,23 @@ def test_cluster_kernel_run_on_the_cpu_gives_the_contracts_bits(tmp_path_factory
     blocks of the cluster without columns, and the launch's own slices at a model's vocabulary."""
     _check_emulated(tmp_path_factory, dtype, (0.7, 1.3, 2.0**-11, 0.1) if temperature else (None,), entropy, threads,
                     cluster)
+
+
+@pytest.mark.parametrize("nan_term", [0, 1 << 62, (1 << 64) - 1], ids=["0", "2^62", "2^64-1"])
+def test_masked_columns_entropy_terms_drop_out_whatever_the_gpu_converts_a_nan_to(tmp_path_factory, nan_term):
+    """Where the kernel's entropy factor skips min(nd, 200), a masked column's term is the conversion of
+    0 * inf = NaN, which the GPU defines: where it gives 0 or 2^63 (the emulation's default) the sum's
+    bit 63, cleared, takes those terms out; where it gives anything else the kernel keeps the min. Either
+    way the contract's bits, on rows of -inf columns among the others (fails if the kernel drops the min
+    whatever the conversion gives, or keeps bit 63)."""
+    _check_emulated(tmp_path_factory, torch.bfloat16, (None, 0.7), True, 64, 4, nan_term=nan_term)
+
+
+def test_rows_with_more_labels_than_threads_keep_the_contracts_bits(tmp_path_factory):
+    """Block 0's threads load their first label and its logit at the block's start and any further ones
+    (labels past the block's threads) at the row's end: 40 labels a row for 32 threads, both kinds of
+    load in one row, bit for bit."""
+    _check_emulated(tmp_path_factory, torch.bfloat16, (None, 0.7), True, 32, 2, n_picks=40)
 
 
 SANITIZED = [(torch.bfloat16, True, True, 64, 4), (torch.float16, True, False, 32, 2), (torch.float32, False, True, 64, 8)]

@@ -131,10 +131,14 @@ inline float __fmaf_rz(float a, float b, float c) {
   return r;
 }
 
-// cvt.rzi.u64.f32: toward zero, NaN and negatives to 0, at or above 2^64 the largest. On a GPU a NaN does
-// not convert to 0 (an H100: docs/experiments/entropy-nan-wraps.patch); the kernel converts one only in a
-// row whose max is NaN, whose outputs are NaN whatever its sums.
-inline unsigned long long __float2ull_rz(float a) {
+// The kernel's `convert_rz_u64` (cvt.rzi.u64.f32): toward zero, negatives to 0, at or above 2^64 the
+// largest, and a NaN to EMULATED_NAN_TERM: by default 2^63 (the kernel then drops the entropy's min and
+// clears the sum's bit 63), else what a build defines (any other value keeps the min).
+#ifndef EMULATED_NAN_TERM
+#define EMULATED_NAN_TERM (1ull << 63)
+#endif
+inline unsigned long long convert_rz_u64(float a) {
+  if (a != a) return EMULATED_NAN_TERM;
   if (!(a > 0.0f)) return 0ull;
   if (a >= 18446744073709551616.0f) return ~0ull;
   return (unsigned long long)a;
