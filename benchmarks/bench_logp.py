@@ -65,6 +65,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def host_us_per_call(fn, reps: int, device: torch.device, warmup: int) -> float:
+    """Host microseconds per call of `fn` over `reps` calls issued back to back, after `warmup` calls and a
+    sync (the GPU's work is not waited for inside the timing; it is drained after)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = (time.perf_counter() - t0) / reps * 1e6
+    _sync(device)
+    return host
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30, reps: int = 20) -> float:
     """Bytes read + written per second of a device-to-device copy (a nominal 1e11 on the CPU smoke run)."""
     if device.type != "cuda":
@@ -557,14 +571,7 @@ def run_overhead(args, device, report: Report) -> None:
         for name, (fn, path) in pieces.items():
             stub = stubbed_launches() if path is not None and stubbed else contextlib.nullcontext()
             with stub, (path or contextlib.nullcontext)():
-                for _ in range(20):
-                    fn()
-                _sync(device)
-                t0 = time.perf_counter()
-                for _ in range(args.rollout_reps):
-                    fn()
-                host = (time.perf_counter() - t0) / args.rollout_reps * 1e6
-                _sync(device)
+                host = host_us_per_call(fn, args.rollout_reps, device, warmup=20)
             report.add({"suite": "overhead", "provider": name, "rows": 8, "host_us": host})
 
 

@@ -42,16 +42,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_rollout
 import torch
+from bench_logp import _sync, host_us_per_call
 from bench_rollout import Setting, Step
 
 import rl_logp
 
 SIDES = ("unpatched", "patched", "patched, torch scores", "patched, empty scores", "patched, no launch")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _torch_scores(logits: torch.Tensor, columns: torch.Tensor | None = None, **_: object) -> torch.Tensor:
@@ -94,13 +90,7 @@ def host_samples(call, per_round: int, device: torch.device) -> tuple[list[float
         t0 = time.perf_counter()
         call()
         each.append((time.perf_counter() - t0) * 1e6)
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(per_round):
-        call()
-    back_to_back = (time.perf_counter() - t0) / per_round * 1e6
-    _sync(device)
-    return each, back_to_back
+    return each, host_us_per_call(call, per_round, device, warmup=0)
 
 
 def interleaved_host_us(calls: dict[str, tuple], rounds: int, per_round: int,

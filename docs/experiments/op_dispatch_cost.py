@@ -18,7 +18,6 @@ import pathlib
 import platform
 import statistics
 import sys
-import time
 import types
 
 import torch
@@ -27,7 +26,7 @@ import rl_logp
 from rl_logp import ops
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_logp import _sync, stubbed_launches
+from bench_logp import host_us_per_call, stubbed_launches
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -71,14 +70,7 @@ def main() -> None:
         for _ in range(5):
             for side, (step, path) in sides.items():
                 with (path or contextlib.nullcontext)():
-                    for _ in range(50):
-                        step()
-                    _sync(DEVICE)
-                    start = time.perf_counter()
-                    for _ in range(args.steps):
-                        step()
-                    samples[side].append((time.perf_counter() - start) / args.steps * 1e6)
-                    _sync(DEVICE)
+                    samples[side].append(host_us_per_call(step, args.steps, DEVICE, warmup=50))
     table = [{"side": side, "host_us_per_step": statistics.median(runs), "rounds_us": runs} for side, runs in samples.items()]
     for row in table:
         print(f"{row['side']:28s} {row['host_us_per_step']:8.1f} us per step")
