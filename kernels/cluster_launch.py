@@ -29,16 +29,17 @@ ELEMENT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 CLUSTERS = (2, 4, 8)  # blocks per row tried, fewest first (8: the portable cluster size's limit)
 FRACTION_BITS = 40  # the kernel's fixed point, F
 SHARED_PER_SM = 233472  # bytes of shared memory of an H100/H200 SM (228 KB; a block takes at most 227 KB)
-BLOCK_OVERHEAD = 4096  # a block's shared memory beside its slice: its own (1296 bytes with the 1 KB reserved), rounded up
+BLOCK_OVERHEAD = 4096  # a block's shared memory beside its slice: its own (with the 1 KB reserved: 1408 bytes at 256 threads, 1920 at 1024), rounded up
 SHARED_UNIT = 128  # an SM's shared memory goes to its blocks in units of this many bytes
 SHARED_RESERVED = 1024  # bytes the system reserves in every block's shared memory
 
 
 def blocks_per_sm(slice_bytes: int, threads: int) -> int:
     """Blocks of `threads` with slices of `slice_bytes` one SM holds: the number the registers must allow.
-    A block's own shared memory (`BlockShared`: three mbarriers, the slots of up to 8 peers, each warp's
-    partial results) at most 192 + 20 bytes a warp, the slice after it at a 128-byte boundary."""
-    own = -(-(192 + 20 * (threads // 32)) // SHARED_UNIT) * SHARED_UNIT
+    A block's own shared memory (`BlockShared`: three mbarriers, the slots of up to 8 peers, the division's
+    set-up, each warp's partial results) at most 208 + 20 bytes a warp, the slice after it at a 128-byte
+    boundary."""
+    own = -(-(208 + 20 * (threads // 32)) // SHARED_UNIT) * SHARED_UNIT
     block = -(-(own + slice_bytes + SHARED_RESERVED) // SHARED_UNIT) * SHARED_UNIT
     return max(1, SHARED_PER_SM // block)
 

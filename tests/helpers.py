@@ -8,6 +8,7 @@ import itertools
 import os
 import re
 import struct
+from fractions import Fraction
 
 import pytest
 import torch
@@ -53,6 +54,32 @@ def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
     """Number of elements whose bits differ."""
     assert a.shape == b.shape and a.dtype == b.dtype
     return int((bits(a) != bits(b)).sum())
+
+
+def _fp32(q: Fraction) -> Fraction:
+    """q rounded to the nearest fp32, ties to even (q positive, in fp32's normal range): the pattern struct
+    gives q's double, within an ulp, and its two neighbours, the nearest of the three."""
+    near = struct.unpack("<i", struct.pack("<f", float(q)))[0]
+    candidates = [(Fraction(struct.unpack("<f", struct.pack("<i", p))[0]), p) for p in (near - 1, near, near + 1)]
+    return min(candidates, key=lambda c: (abs(c[0] - q), c[1] & 1))[0]
+
+
+PAIR_MISSING_T = 1.9852384328842163  # an fp32 T whose fp16 quotients the pair misses on one significand
+
+
+def pair_misses(t: float, fraction_bits: int) -> list[int]:
+    """The significands 1 + i 2^-fraction_bits (bf16 7, fp16 10) whose quotient by T (fp32) the kernels'
+    pair hi + lo ~ 1/T (`fixed_point.row_divisor`) misses: fl(x hi + fl(x lo)) != fl(x / T), in exact
+    arithmetic with each fp32 rounding done as the GPU does it. hi: 1/T rounded, one ulp down where that is
+    above 1/T; lo: (1 - hi T) / T rounded (hi 2^-30 where it is 0). The kernels must refuse the pair for
+    any T with such a significand."""
+    tq = Fraction(struct.unpack("<f", struct.pack("<f", t))[0])
+    recip = _fp32(1 / tq)
+    below = Fraction(struct.unpack("<f", struct.pack("<i", struct.unpack("<i", struct.pack("<f", recip))[0] - 1))[0])
+    hi = recip if recip * tq <= 1 else below
+    lo = _fp32((1 - hi * tq) / tq) if hi * tq != 1 else hi / (1 << 30)
+    return [i for i in range(1 << fraction_bits)
+            if _fp32((x := 1 + Fraction(i, 1 << fraction_bits)) * hi + _fp32(x * lo)) != _fp32(x / tq)]
 
 
 def logp_and_grad(logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,17 @@ import tempfile
 import numpy
 import pytest
 import torch
-from helpers import HAS_CUDA, FakeDriver, bits, engine_request, mismatches, model_like_logits, random_labels
+from helpers import (
+    HAS_CUDA,
+    PAIR_MISSING_T,
+    FakeDriver,
+    bits,
+    engine_request,
+    mismatches,
+    model_like_logits,
+    pair_misses,
+    random_labels,
+)
 
 from rl_logp.kernels import cluster_launch, cuda_source
 from rl_logp.kernels.launch import LaunchConfig
@@ -283,11 +293,6 @@ def _check_emulated(tmp_path_factory, dtype, temperatures, entropy, threads, clu
                     n_picks=5):
     """The emulated kernel against the chunked engine on the CPU, every output bit for bit (see the test
     below), for each temperature of `temperatures`; `n_picks` labels a row in the rows of several."""
-    from rl_logp.engines import make_engine
-
-    directory = tmp_path_factory.getbasetemp() / "cluster_emulation"
-    directory.mkdir(exist_ok=True)
-    engine = make_engine("chunked", 1 << 28)
     size = torch.tensor([], dtype=dtype).element_size()
     per_vector = 16 // size
     # Slices without columns: 24 columns in 4 slices of 8 (the last empty); 72 in 8 of 16 (the last three,
@@ -305,16 +310,29 @@ def _check_emulated(tmp_path_factory, dtype, temperatures, entropy, threads, clu
             _edge_rows(x, labels)
         picks = torch.cat([labels[:, None], random_labels(n * (n_picks - 1), vocab, "cpu", seed=2).view(n, -1)], dim=1)
         picks[:, 1] = -100
-        for t in temperatures:
-            for ids, full in ((labels, False), (picks, False), (picks, True)):
-                req = engine_request(x, ids, t, engine="chunked", entropy=True)
-                req.normalizer, req.full = True, full
-                s = engine.row_stats(req)
-                want = [s.row_max, s.log_sum, s.lse, s.logp, s.entropy, s.full]
-                got = _emulate(directory, x, ids, t, entropy, full, slice_bytes, threads, sanitize, nan_term)
-                for name, a, b in zip(("M", "L", "lse", "logp", "entropy", "full"), got, want, strict=True):
-                    if a is not None:
-                        assert _same(a, b), (name, vocab, t, full, int((bits(a) != bits(b)).sum()))
+        _assert_emulated_bits(tmp_path_factory, x, labels, picks, temperatures, entropy, slice_bytes, threads, sanitize,
+                              nan_term)
+
+
+def _assert_emulated_bits(tmp_path_factory, x, labels, picks, temperatures, entropy, slice_bytes, threads,
+                          sanitize=None, nan_term=None):
+    """The emulated kernel's outputs on `x` and the chunked engine's, bit for bit, at each temperature: with
+    one label a row (`labels`), several (`picks`), and several with every column's logprob."""
+    from rl_logp.engines import make_engine
+
+    directory = tmp_path_factory.getbasetemp() / "cluster_emulation"
+    directory.mkdir(exist_ok=True)
+    engine = make_engine("chunked", 1 << 28)
+    for t in temperatures:
+        for ids, full in ((labels, False), (picks, False), (picks, True)):
+            req = engine_request(x, ids, t, engine="chunked", entropy=True)
+            req.normalizer, req.full = True, full
+            s = engine.row_stats(req)
+            want = [s.row_max, s.log_sum, s.lse, s.logp, s.entropy, s.full]
+            got = _emulate(directory, x, ids, t, entropy, full, slice_bytes, threads, sanitize, nan_term)
+            for name, a, b in zip(("M", "L", "lse", "logp", "entropy", "full"), got, want, strict=True):
+                if a is not None:
+                    assert _same(a, b), (name, x.shape[1], t, full, int((bits(a) != bits(b)).sum()))
 
 
 @pytest.mark.parametrize(("dtype", "temperature", "entropy", "threads", "cluster"), EMULATED,
@@ -346,6 +364,21 @@ def test_rows_with_more_labels_than_threads_keep_the_contracts_bits(tmp_path_fac
     (labels past the block's threads) at the row's end: 40 labels a row for 32 threads, both kinds of
     load in one row, bit for bit."""
     _check_emulated(tmp_path_factory, torch.bfloat16, (None, 0.7), True, 32, 2, n_picks=40)
+
+
+def test_a_temperature_whose_quotients_the_pair_misses_gets_the_ieee_quotients(tmp_path_factory):
+    """fp16 logits at a T where `row_divisor`'s pair misses one significand's IEEE quotient of 1024
+    (`pair_misses`, exact arithmetic): warp 0 of each block checks every significand and the block's other
+    warp reads its verdict, so the kernel divides otherwise; rows holding every fp16 significand at several
+    exponents and both signs, a label on the missed one, bit for bit in every output (fails if warp 0
+    checks only its first 32 significands: checked by mutation)."""
+    assert pair_misses(PAIR_MISSING_T, 10) == [349]
+    significands = 1.0 + torch.arange(1024, dtype=torch.float32) / 1024
+    x = torch.stack([torch.cat([significands * 2.0 ** (r - 2), -significands * 2.0 ** (r - 5)]) for r in range(6)])
+    x = x.to(torch.float16)
+    labels = torch.full((6,), 349)
+    picks = torch.stack([labels, torch.full((6,), 1024 + 349), random_labels(6, 2048, "cpu", seed=5)], dim=1)
+    _assert_emulated_bits(tmp_path_factory, x, labels, picks, (PAIR_MISSING_T,), False, 2048, 64)  # 2 blocks a row
 
 
 SANITIZED = [(torch.bfloat16, True, True, 64, 4), (torch.float16, True, False, 32, 2), (torch.float32, False, True, 64, 8)]

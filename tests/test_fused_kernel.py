@@ -11,12 +11,14 @@ import torch
 from helpers import (
     HAS_CUDA,
     INTERPRET,
+    PAIR_MISSING_T,
     engine_request,
     logp_and_grad,
     make_engine,
     mismatches,
     model_like_logits,
     needs_cuda,
+    pair_misses,
     random_labels,
 )
 
@@ -327,6 +329,17 @@ def test_reciprocal_pair_refuses_what_it_cannot_check(device):
         assert not _differing(got, _ieee_quotient(values, t), values).any(), t  # div_rn
     for row_max in (1e-20, 1e31, float("nan"), float("inf"), float("-inf")):  # |M| outside [2^-60, 2^100]
         assert _reciprocal_quotients(values, 0.7, pair=True, row_max=row_max)[1] == 0, row_max
+
+
+@pytest.mark.parametrize("device", FUSED_DEVICES)
+def test_reciprocal_pair_refuses_a_temperature_whose_quotients_it_misses(device):
+    """At a T where fma(x, hi, x lo) misses the IEEE x / T on one fp16 significand of 1024 (`pair_misses`,
+    exact arithmetic), `row_divisor` refuses the pair and every fp16 value gets the IEEE quotient."""
+    assert pair_misses(PAIR_MISSING_T, 10) == [349]
+    values = _all_bit_patterns(torch.float16, device)
+    got, inv_lo = _reciprocal_quotients(values, PAIR_MISSING_T, pair=True)
+    assert inv_lo == 0
+    assert not _differing(got, _ieee_quotient(values, PAIR_MISSING_T), values).any()
 
 
 @pytest.mark.parametrize("device", FUSED_DEVICES)
