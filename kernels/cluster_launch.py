@@ -36,10 +36,9 @@ SHARED_RESERVED = 1024  # bytes the system reserves in every block's shared memo
 
 def blocks_per_sm(slice_bytes: int, threads: int) -> int:
     """Blocks of `threads` with slices of `slice_bytes` one SM holds: the number the registers must allow.
-    A block's own shared memory (`BlockShared`: three mbarriers, the slots of up to 8 peers, the division's
-    set-up, each warp's partial results) at most 208 + 20 bytes a warp, the slice after it at a 128-byte
-    boundary."""
-    own = -(-(208 + 20 * (threads // 32)) // SHARED_UNIT) * SHARED_UNIT
+    A block's own shared memory (`BlockShared`: three mbarriers, the slots of up to 8 peers, each warp's
+    partial results) at most 192 + 20 bytes a warp, the slice after it at a 128-byte boundary."""
+    own = -(-(192 + 20 * (threads // 32)) // SHARED_UNIT) * SHARED_UNIT
     block = -(-(own + slice_bytes + SHARED_RESERVED) // SHARED_UNIT) * SHARED_UNIT
     return max(1, SHARED_PER_SM // block)
 

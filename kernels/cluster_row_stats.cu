@@ -360,12 +360,11 @@ __device__ __forceinline__ void slice_write(const uint4* v, int n_vec, float t, 
 
 // A block's shared memory beside its slice: the mbarriers of the copy and of the peers' pushes, every
 // block's max and sums (pushed by the peers through distributed shared memory: a pair (s, e) per block),
-// the division's set-up, and its warps' partial results.
+// and its warps' partial results.
 struct BlockShared {
   u64 full, max_full, sums_full;
   alignas(16) i64 peer_sums[CLUSTER][2];
   float peer_max[CLUSTER];
-  float recip, down, rest;  // the division's set-up that T alone decides (warp 0's)
   float warp_max[WARPS];
   i64 warp_s[WARPS];
   u64 warp_e[WARPS];
@@ -397,14 +396,13 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
   const bool picks_early = out_logp && rank == 0 && (int)threadIdx.x < n_picks;
   const Pick first = picks_early ? load_pick(labels, row, n_picks, threadIdx.x, x_row, n_cols) : Pick{false, 0.0f};
   // The division (`row_divisor` / `row_reciprocal`) as far as T decides it; the row's max decides the rest
-  // below. `row_reciprocal`'s range of T, and there its reciprocal. Warp 0 works it out once for the block
-  // (its lanes check the significands) and leaves it in shared memory for the block's other warps, which
-  // meanwhile stay off the issue slots that the SM's other blocks spend on their sums.
-  const bool t_ok = TEMP && t >= 9.765625e-04f && t <= 1.2676506002282294e30f;
+  // below. `row_reciprocal`'s range of T, and there its reciprocal.
+  bool t_ok = false, use_pair = false;
+  float recip = 0.0f, down = 0.0f, rest = 0.0f;
   int wrong = 0;
-  if (TEMP && warp == 0) {
-    const float recip = __fdiv_rn(1.0f, t);
-    float down = recip, rest = 0.0f;
+  if (TEMP) {
+    t_ok = t >= 9.765625e-04f && t <= 1.2676506002282294e30f;
+    recip = __fdiv_rn(1.0f, t);
 #if ELEM != 2
     // `row_divisor`'s pair hi + lo = 1/T, kept if fma(x, hi, x lo) is the IEEE x / T on every significand
     // of the logits' type (FRACTION_BITS: bf16 7, fp16 10).
@@ -413,21 +411,16 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
     down = above ? __int_as_float(__float_as_int(recip) - 1) : recip;
     rest = __fdiv_rn(fmaf(-down, t, 1.0f), t);
     rest = rest > 0.0f ? rest : down * 9.313225746154785e-10f;
-    for (int i = lane; i < (1 << fraction_bits); i += 32) {
+    for (int i = threadIdx.x; i < (1 << fraction_bits); i += THREADS) {
       float sig = 1.0f + (float)i * (1.0f / (1 << fraction_bits));
       wrong |= fmaf(sig, down, sig * rest) != __fdiv_rn(sig, t);
     }
 #endif
-    if (lane == 0) {
-      sh.recip = recip;
-      sh.down = down;
-      sh.rest = rest;
-    }
   }
   wrong = __syncthreads_or(wrong);
-  const float recip = TEMP ? sh.recip : 0.0f, down = TEMP ? sh.down : 0.0f, rest = TEMP ? sh.rest : 0.0f;
-  const bool use_pair = ELEM != 2 && t_ok && down >= 8.271806125530277e-25f && rest >= down * 9.094947017729282e-13f
-                        && !wrong;
+#if ELEM != 2
+  use_pair = t_ok && down >= 8.271806125530277e-25f && rest >= down * 9.094947017729282e-13f && !wrong;
+#endif
   if (bytes) wait_landed<WAIT_NS>(&sh.full);
 
   // The slice's max in the logits' own type (exact, NaN-propagating), then fp32.
