@@ -56,12 +56,21 @@ def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((bits(a) != bits(b)).sum())
 
 
+def _fp32_pattern(f: float | Fraction) -> int:
+    """The bit pattern of f rounded to fp32 as struct rounds it (f's double, then to nearest)."""
+    return struct.unpack("<i", struct.pack("<f", float(f)))[0]
+
+
+def _fp32_value(pattern: int) -> Fraction:
+    """The fp32 of a bit pattern, exactly."""
+    return Fraction(struct.unpack("<f", struct.pack("<i", pattern))[0])
+
+
 def _fp32(q: Fraction) -> Fraction:
-    """q rounded to the nearest fp32, ties to even (q positive, in fp32's normal range): the pattern struct
-    gives q's double, within an ulp, and its two neighbours, the nearest of the three."""
-    near = struct.unpack("<i", struct.pack("<f", float(q)))[0]
-    candidates = [(Fraction(struct.unpack("<f", struct.pack("<i", p))[0]), p) for p in (near - 1, near, near + 1)]
-    return min(candidates, key=lambda c: (abs(c[0] - q), c[1] & 1))[0]
+    """q rounded to the nearest fp32, ties to even (q positive, in fp32's normal range): of the pattern
+    struct gives, within an ulp, and its two neighbours, the nearest."""
+    near = _fp32_pattern(q)
+    return _fp32_value(min((near - 1, near, near + 1), key=lambda p: (abs(_fp32_value(p) - q), p & 1)))
 
 
 PAIR_MISSING_T = 1.9852384328842163  # an fp32 T whose fp16 quotients the pair misses on one significand
@@ -73,10 +82,9 @@ def pair_misses(t: float, fraction_bits: int) -> list[int]:
     arithmetic with each fp32 rounding done as the GPU does it. hi: 1/T rounded, one ulp down where that is
     above 1/T; lo: (1 - hi T) / T rounded (hi 2^-30 where it is 0). The kernels must refuse the pair for
     any T with such a significand."""
-    tq = Fraction(struct.unpack("<f", struct.pack("<f", t))[0])
+    tq = _fp32_value(_fp32_pattern(t))
     recip = _fp32(1 / tq)
-    below = Fraction(struct.unpack("<f", struct.pack("<i", struct.unpack("<i", struct.pack("<f", recip))[0] - 1))[0])
-    hi = recip if recip * tq <= 1 else below
+    hi = recip if recip * tq <= 1 else _fp32_value(_fp32_pattern(recip) - 1)
     lo = _fp32((1 - hi * tq) / tq) if hi * tq != 1 else hi / (1 << 30)
     return [i for i in range(1 << fraction_bits)
             if _fp32((x := 1 + Fraction(i, 1 << fraction_bits)) * hi + _fp32(x * lo)) != _fp32(x / tq)]
