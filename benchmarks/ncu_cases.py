@@ -2,7 +2,8 @@
 under `ncu`, one case per run).
 
 Trainer cases (T = 1, T = 0.7, T = 1 with entropy, T = 0.7 with entropy): one forward and in-place backward
-of `rl_logp.logprobs` on bf16 logits, 8192 rows by default. Rollout cases (`kept_*`): the top-k / top-p
+of `rl_logp.logprobs` on bf16 logits, 8192 rows by default; with `--forward-only` the forward alone on
+logits that need no gradient, as a rollout calls it once per decode step (`bench_logp.py`'s rollout suite). Rollout cases (`kept_*`): the top-k / top-p
 kept set as the patched vLLM samplers call it (`rl_logp.sampling_mask.mask_logits_` on fp32 logits divided
 by T = 0.7, drawn as `bench_rollout.py` draws them), one row by default, where the kept set's step is
 GPU-bound (`docs/vllm.md`): the profile gives each of the split plan's launches its own duration. Each case
@@ -33,7 +34,14 @@ CASES = {"t1": (1.0, False), "t07": (0.7, False), "t1_entropy": (1.0, True), "t0
 KEPT_CASES = {"kept_k50": (50, None), "kept_p09": (None, 0.9), "kept_k50_p09": (50, 0.9)}  # (top-k, top-p)
 
 
-def trainer_call(logits: torch.Tensor, labels: torch.Tensor, temperature: float, entropy: bool) -> None:
+def trainer_call(logits: torch.Tensor, labels: torch.Tensor, temperature: float, entropy: bool,
+                 forward_only: bool) -> None:
+    if forward_only:
+        if entropy:
+            rl_logp.logprobs_and_entropy(logits, labels, temperature=temperature, backend="fused")
+        else:
+            rl_logp.logprobs(logits, labels, temperature=temperature, backend="fused")
+        return
     x = logits.clone().requires_grad_(True)
     y = x * 1.0  # a non-leaf, as verl's logits: the backward writes its gradient in place
     if entropy:
@@ -50,6 +58,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=None, help="default: 8192 (trainer cases), 1 (kept set)")
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--forward-only", action="store_true",
+                        help="trainer cases: the forward alone, without gradients (a rollout's call)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(0)
@@ -73,9 +83,9 @@ def main() -> None:
         temperature, entropy = CASES[args.case]
 
         def call() -> None:
-            trainer_call(logits, labels, temperature, entropy)
+            trainer_call(logits, labels, temperature, entropy, args.forward_only)
 
-        what = f"bf16, T={temperature}, entropy={entropy}: forward and backward"
+        what = f"bf16, T={temperature}, entropy={entropy}: forward{'' if args.forward_only else ' and backward'}"
     for _ in range(args.warmup):
         call()
     if device == "cuda":

@@ -249,17 +249,21 @@ def test_profile_rollout_step_isolates_the_scoring_call():
 
 def test_ncu_cases_smoke():
     """Every case of the Nsight Compute driver runs on the CPU at a tiny shape (the trainer cases under
-    Triton's interpreter, the kept set by its torch reference) and says what it ran."""
+    Triton's interpreter, the kept set by its torch reference), and a trainer case forward alone, and says
+    what it ran."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import ncu_cases
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    for case in [*ncu_cases.CASES, *ncu_cases.KEPT_CASES]:
+    runs = [(case, []) for case in [*ncu_cases.CASES, *ncu_cases.KEPT_CASES]] + [("t07_entropy", ["--forward-only"])]
+    for case, extra in runs:
         run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ncu_cases.py"), "--case", case, "--rows", "3",
-                              "--vocab", "1031", "--warmup", "1"], capture_output=True, text=True, timeout=300)
+                              "--vocab", "1031", "--warmup", "1", *extra], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-4000:]
         assert run.stdout.startswith(f"{case}: 3 x 1031, ") and run.stdout.rstrip().endswith(" ran"), run.stdout
+        if case in ncu_cases.CASES:
+            assert run.stdout.rstrip().endswith("forward ran" if extra else "forward and backward ran"), run.stdout
 
 
 def test_ncu_sass_summary_groups_a_kernels_instructions_and_stalls(tmp_path):
