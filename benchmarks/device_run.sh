@@ -5,8 +5,11 @@
 #             -> $OUT/gpu_tests.txt
 #   sweep     bench_logp.py --suites sweep: launch variants of the fused kernels -> $OUT/${GPU}_sweep.json
 #   ab        the tree's cluster forward against another source of it (AB_BASE, default ab_base.cu: a file
-#             the call carries, e.g. `git show HEAD~1:kernels/cluster_row_stats.cu > ab_base.cu`), the sweep's
-#             default launch in AB_ROUNDS (3) alternating rounds of a process each -> $OUT/${GPU}_sweep_ab.jsonl
+#             the call carries, e.g. `git show HEAD~1:kernels/cluster_row_stats.cu > ab_base.cu`), or with
+#             AB_PATCH (e.g. docs/experiments/X.patch) the tree's package against the tree with the patch
+#             applied (kernels, launches, package: side `patch`), the sweep's default launch in AB_ROUNDS (3)
+#             alternating rounds of a process each -> $OUT/${GPU}_sweep_ab.jsonl; with AB_ROLLOUT_ROWS also
+#             the rollout-size calls at those rows on each side -> $OUT/${GPU}_calls_ab_<side>_<round>.json
 #   calls     bench_logp.py --suites rollout overhead tp (CALLS_SUITES, more arguments in CALLS_ARGS): rollout-size
 #             calls, host time, TP agreement cost -> $OUT/${GPU}_calls.json
 #   bench     bench_logp.py --suites main: every provider at 8192 and 32768 rows -> $OUT/${GPU}_bench.json
@@ -70,19 +73,37 @@ for stage in ${STAGES}; do
       timeout "${SWEEP_TIMEOUT:-300}" python3 -P benchmarks/bench_logp.py --suites sweep --rows 32768 \
         --reps "${REPS:-5}" --out "$OUT/${GPU}_sweep.json" 2>&1 | grep -v '^{' | tail -30 ;;
     ab)
-      if [ ! -f "${AB_BASE:-ab_base.cu}" ]; then
+      kernel=/tmp/pkg/rl_logp/kernels/cluster_row_stats.cu
+      other=base
+      if [ -n "${AB_PATCH:-}" ]; then
+        # A second package laid out as the first, from a copy of the tree with the patch applied.
+        other=patch
+        rm -rf /tmp/ab_src /tmp/pkg_patch && mkdir -p /tmp/ab_src /tmp/pkg_patch && cp -r rl_logp kernels integrations /tmp/ab_src/
+        patch_file=$(realpath "${AB_PATCH}")
+        (cd /tmp/ab_src && git apply --include='rl_logp/*' --include='kernels/*' --include='integrations/*' \
+          "${patch_file}") || { echo "ab: ${AB_PATCH} does not apply to the tree; stage skipped"; continue; }
+        cp -r /tmp/ab_src/rl_logp /tmp/pkg_patch/ && cp -r /tmp/ab_src/kernels /tmp/pkg_patch/rl_logp/kernels \
+          && cp -r /tmp/ab_src/integrations /tmp/pkg_patch/rl_logp/integrations
+      elif [ ! -f "${AB_BASE:-ab_base.cu}" ]; then
         echo "ab: ${AB_BASE:-ab_base.cu} is not in the tree (write it with git show REV:kernels/cluster_row_stats.cu and carry it); stage skipped"
         continue
       fi
-      kernel=/tmp/pkg/rl_logp/kernels/cluster_row_stats.cu
       cp "${kernel}" /tmp/ab_tree.cu
       for round in $(seq "${AB_ROUNDS:-3}"); do
-        for side in tree base; do
-          if [ "${side}" = tree ]; then cp /tmp/ab_tree.cu "${kernel}"; else cp "${AB_BASE:-ab_base.cu}" "${kernel}"; fi
-          timeout "${AB_TIMEOUT:-120}" python3 -P benchmarks/bench_logp.py --suites sweep --rows 32768 --reps "${REPS:-5}" \
-            --variants '[{}]' --out /tmp/ab.json 2>&1 | grep -A1 "^sweep variant" | tail -1 | sed "s/^default/${side} ${round}/"
+        for side in tree "${other}"; do
+          path="${BASE}"
+          if [ "${side}" = patch ]; then path="/tmp/pkg_patch:${BASE#/tmp/pkg:}"; fi
+          if [ "${side}" = tree ]; then cp /tmp/ab_tree.cu "${kernel}"; elif [ "${side}" = base ]; then cp "${AB_BASE:-ab_base.cu}" "${kernel}"; fi
+          PYTHONPATH="${path}" timeout "${AB_TIMEOUT:-120}" python3 -P benchmarks/bench_logp.py --suites sweep --rows 32768 \
+            --reps "${REPS:-5}" --variants '[{}]' --out /tmp/ab.json 2>&1 | grep -A1 "^sweep variant" | tail -1 | sed "s/^default/${side} ${round}/"
           python3 -c "import json, sys; d = json.load(open('/tmp/ab.json')); d.update(side=sys.argv[1], round=int(sys.argv[2]), \
-            base=sys.argv[3]); print(json.dumps(d))" "${side}" "${round}" "${AB_BASE:-ab_base.cu}" >> "$OUT/${GPU}_sweep_ab.jsonl"
+            base=sys.argv[3]); print(json.dumps(d))" "${side}" "${round}" "${AB_PATCH:-${AB_BASE:-ab_base.cu}}" >> "$OUT/${GPU}_sweep_ab.jsonl"
+          if [ -n "${AB_ROLLOUT_ROWS:-}" ]; then
+            # shellcheck disable=SC2086
+            PYTHONPATH="${path}" timeout "${AB_TIMEOUT:-120}" python3 -P benchmarks/bench_logp.py --suites rollout \
+              --rollout-rows ${AB_ROLLOUT_ROWS} --out "$OUT/${GPU}_calls_ab_${side}_${round}.json" 2>&1 \
+              | grep -E "^(rl_logp|flash_attn CE) " | grep -v "column\|full" | sed "s/^/${side} ${round}: /"
+          fi
         done
       done
       cp /tmp/ab_tree.cu "${kernel}" ;;
