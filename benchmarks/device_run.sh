@@ -43,9 +43,13 @@ for version in 0.24.0 "${VLLM_LATEST}"; do
     VLLM_VERSIONS+=("${version}")
   fi
 done
-# Lay the package out as pyproject.toml maps it (kernels/ and integrations/ inside rl_logp/) under /tmp/pkg.
-rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r rl_logp /tmp/pkg/ && cp -r kernels /tmp/pkg/rl_logp/kernels \
-  && cp -r integrations /tmp/pkg/rl_logp/integrations
+# Lay the package of the tree at $1 out as pyproject.toml maps it (kernels/ and integrations/ inside rl_logp/)
+# under $2; the tree's own under /tmp/pkg.
+lay_out() {
+  rm -rf "$2" && mkdir -p "$2" && cp -r "$1/rl_logp" "$2/" && cp -r "$1/kernels" "$2/rl_logp/kernels" \
+    && cp -r "$1/integrations" "$2/rl_logp/integrations"
+}
+lay_out . /tmp/pkg
 BASE="/tmp/pkg:/tmp/site:${PWD}/.whl/fa"
 export PYTHONPATH="${BASE}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
@@ -78,12 +82,11 @@ for stage in ${STAGES}; do
       if [ -n "${AB_PATCH:-}" ]; then
         # A second package laid out as the first, from a copy of the tree with the patch applied.
         other=patch
-        rm -rf /tmp/ab_src /tmp/pkg_patch && mkdir -p /tmp/ab_src /tmp/pkg_patch && cp -r rl_logp kernels integrations /tmp/ab_src/
+        rm -rf /tmp/ab_src && mkdir -p /tmp/ab_src && cp -r rl_logp kernels integrations /tmp/ab_src/
         patch_file=$(realpath "${AB_PATCH}")
         (cd /tmp/ab_src && git apply --include='rl_logp/*' --include='kernels/*' --include='integrations/*' \
           "${patch_file}") || { echo "ab: ${AB_PATCH} does not apply to the tree; stage skipped"; continue; }
-        cp -r /tmp/ab_src/rl_logp /tmp/pkg_patch/ && cp -r /tmp/ab_src/kernels /tmp/pkg_patch/rl_logp/kernels \
-          && cp -r /tmp/ab_src/integrations /tmp/pkg_patch/rl_logp/integrations
+        lay_out /tmp/ab_src /tmp/pkg_patch
       elif [ ! -f "${AB_BASE:-ab_base.cu}" ]; then
         echo "ab: ${AB_BASE:-ab_base.cu} is not in the tree (write it with git show REV:kernels/cluster_row_stats.cu and carry it); stage skipped"
         continue
