@@ -66,7 +66,7 @@ def _fp32_value(pattern: int) -> Fraction:
     return Fraction(struct.unpack("<f", struct.pack("<i", pattern))[0])
 
 
-def _fp32(q: Fraction) -> Fraction:
+def nearest_fp32(q: Fraction) -> Fraction:
     """q rounded to the nearest fp32, ties to even (q positive, in fp32's normal range): of the pattern
     struct gives, within an ulp, and its two neighbours, the nearest."""
     near = _fp32_pattern(q)
@@ -83,11 +83,12 @@ def pair_misses(t: float, fraction_bits: int) -> list[int]:
     above 1/T; lo: (1 - hi T) / T rounded (hi 2^-30 where it is 0). The kernels must refuse the pair for
     any T with such a significand."""
     tq = _fp32_value(_fp32_pattern(t))
-    recip = _fp32(1 / tq)
+    recip = nearest_fp32(1 / tq)
     hi = recip if recip * tq <= 1 else _fp32_value(_fp32_pattern(recip) - 1)
-    lo = _fp32((1 - hi * tq) / tq) if hi * tq != 1 else hi / (1 << 30)
+    lo = nearest_fp32((1 - hi * tq) / tq) if hi * tq != 1 else hi / (1 << 30)
     return [i for i in range(1 << fraction_bits)
-            if _fp32((x := 1 + Fraction(i, 1 << fraction_bits)) * hi + _fp32(x * lo)) != _fp32(x / tq)]
+            if nearest_fp32((x := 1 + Fraction(i, 1 << fraction_bits)) * hi + nearest_fp32(x * lo))
+            != nearest_fp32(x / tq)]
 
 
 def logp_and_grad(logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
