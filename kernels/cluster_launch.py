@@ -21,11 +21,12 @@ from collections.abc import Sequence
 
 import torch
 
-from . import cuda_source
+from . import cuda_source, division_setup
 
 SOURCE = pathlib.Path(__file__).with_name("cluster_row_stats.cu")
 KERNEL = "cluster_row_stats"
 ELEMENT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}  # fraction bits of each logits type (`division_setup`)
 CLUSTERS = (2, 4, 8)  # blocks per row tried, fewest first (8: the portable cluster size's limit)
 FRACTION_BITS = 40  # the kernel's fixed point, F
 SHARED_PER_SM = 233472  # bytes of shared memory of an H100/H200 SM (228 KB; a block takes at most 227 KB)
@@ -126,15 +127,18 @@ class ClusterLaunch:
                                   self.shared, wait_ns)
         out_max, out_log_sum, out_lse, out_logp, out_ent = outs
         picks = 1 if labels is None or labels.dim() == 1 else labels.shape[1]
+        t = 1.0 if t_scalar is None else t_scalar
+        t_hi, t_lo, t_division = division_setup.division(t, MANTISSA_BITS[x.dtype])  # unused without T
         self.args = [_pointer(x), ctypes.c_int64(x.stride(0) * size), _pointer(labels), ctypes.c_int32(picks),
-                     ctypes.c_float(1.0 if t_scalar is None else t_scalar), _pointer(out_max), _pointer(out_log_sum),
-                     _pointer(out_lse), _pointer(out_logp), _pointer(out_ent if entropy else None), _pointer(out_full),
+                     ctypes.c_float(t), ctypes.c_float(t_hi), ctypes.c_float(t_lo), ctypes.c_int32(t_division),
+                     _pointer(out_max), _pointer(out_log_sum), _pointer(out_lse), _pointer(out_logp),
+                     _pointer(out_ent if entropy else None), _pointer(out_full),
                      ctypes.c_int64(0 if out_full is None else out_full.stride(0)), ctypes.c_int32(vocab),
                      ctypes.c_int32(width)]
         # The places of a bound call's tensors: x, then labels if given, then its one output.
         self.kernel = cuda_source.BoundKernel(
             self.function.handle, self.function.context, (self.grid, 1, 1), threads, self.shared, self.args,
-            (0, *((2,) if labels is not None else ()), 10 if out_full is not None else 8))
+            (0, *((2,) if labels is not None else ()), 13 if out_full is not None else 11))
 
     def run(self, params: ctypes.Array) -> None:
         """One launch with `params` (`cuda_source.parameters(self.args)`, or a bound call's)."""

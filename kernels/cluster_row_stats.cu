@@ -16,13 +16,14 @@
 // last product folded into the fixed-point split's round-toward-zero adds, which gives the same sums),
 // the max in the logits' own type (exact, NaN-propagating), z = x / T the IEEE quotient (div_rn, the
 // reciprocal and one fma correction where `row_reciprocal`'s range holds, or for 16-bit logits
-// `row_divisor`'s pair where it checks), the terms trunc(e 2^40) = hi 2^20 + lo from two
-// round-toward-zero adds summed as uint32 bit patterns (`split_terms`, `lane_total`), the entropy's terms
-// trunc(u 2^40) by one conversion toward zero summed as uint64 (`QUANT_CAST`'s: the same integers, three
-// instructions and an add fewer a term than the split; the logp's terms keep the split, as a second
-// conversion a logit beside the exp makes the special-function unit the limit), and `finalize_row`'s
-// finish in fp64. Compiled by NVRTC with
-// -fmad=false (no contraction the Triton kernels, compiled without fp fusion, lack); parameters:
+// `row_divisor`'s pair where it checks: what T alone decides comes from the host, `division_setup.py`,
+// as t_hi, t_lo and t_division; the row's max decides the rest here), the terms trunc(e 2^40) =
+// hi 2^20 + lo from two round-toward-zero adds summed as uint32 bit patterns (`split_terms`, `lane_total`),
+// the entropy's terms trunc(u 2^40) by one conversion toward zero summed as uint64 (`QUANT_CAST`'s: the
+// same integers, three instructions and an add fewer a term than the split; the logp's terms keep the
+// split, as a second conversion a logit beside the exp makes the special-function unit the limit), and
+// `finalize_row`'s finish in fp64. Compiled by NVRTC with -fmad=false (no contraction the Triton
+// kernels, compiled without fp fusion, lack); parameters:
 //   ELEM: 0 bf16, 1 fp16, 2 fp32; CLUSTER: blocks per row; THREADS: threads per block;
 //   MIN_BLOCKS: blocks per SM to fit in registers; ENTROPY: 0/1; TEMP: 0 none, 1 one float T for every row;
 //   WAIT_NS: the copy wait's suspend-time hint in ns (0: the hardware's own limit).
@@ -372,8 +373,9 @@ struct BlockShared {
 
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, MIN_BLOCKS)
 cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i64* __restrict__ labels, int n_picks,
-                  float t, float* out_max, float* out_log_sum, float* out_lse, float* out_logp, float* out_ent,
-                  float* out_full, i64 stride_full, int n_cols, int width) {
+                  float t, float t_hi, float t_lo, int t_division, float* out_max, float* out_log_sum,
+                  float* out_lse, float* out_logp, float* out_ent, float* out_full, i64 stride_full, int n_cols,
+                  int width) {
   DYNAMIC_SHARED(slice);
   BLOCK_SHARED(BlockShared, sh);
   const u32 rank = cluster_rank();
@@ -385,7 +387,7 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
   // Ready the mbarriers and start the copy of this block's slice; the cluster's barrier (its peers have
-  // started) and the division's set-up that T alone decides overlap it.
+  // started) overlaps it.
   if (threadIdx.x == 0) {
     init_exchanges(&sh.full, &sh.max_full, sizeof(sh.peer_max), &sh.sums_full, sizeof(sh.peer_sums));
     if (bytes) start_slice_copy(slice, x_row + (i64)col0 * ESIZE, bytes, &sh.full);
@@ -395,32 +397,10 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
   // arrival, which the peers wait on), behind the copy: the row's end does not wait for two dependent loads.
   const bool picks_early = out_logp && rank == 0 && (int)threadIdx.x < n_picks;
   const Pick first = picks_early ? load_pick(labels, row, n_picks, threadIdx.x, x_row, n_cols) : Pick{false, 0.0f};
-  // The division (`row_divisor` / `row_reciprocal`) as far as T decides it; the row's max decides the rest
-  // below. `row_reciprocal`'s range of T, and there its reciprocal.
-  bool t_ok = false, use_pair = false;
-  float recip = 0.0f, down = 0.0f, rest = 0.0f;
-  int wrong = 0;
-  if (TEMP) {
-    t_ok = t >= 9.765625e-04f && t <= 1.2676506002282294e30f;
-    recip = __fdiv_rn(1.0f, t);
-#if ELEM != 2
-    // `row_divisor`'s pair hi + lo = 1/T, kept if fma(x, hi, x lo) is the IEEE x / T on every significand
-    // of the logits' type (FRACTION_BITS: bf16 7, fp16 10).
-    const int fraction_bits = ELEM == 0 ? 7 : 10;
-    bool above = fmaf(-recip, t, 1.0f) < 0.0f;
-    down = above ? __int_as_float(__float_as_int(recip) - 1) : recip;
-    rest = __fdiv_rn(fmaf(-down, t, 1.0f), t);
-    rest = rest > 0.0f ? rest : down * 9.313225746154785e-10f;
-    for (int i = threadIdx.x; i < (1 << fraction_bits); i += THREADS) {
-      float sig = 1.0f + (float)i * (1.0f / (1 << fraction_bits));
-      wrong |= fmaf(sig, down, sig * rest) != __fdiv_rn(sig, t);
-    }
-#endif
-  }
-  wrong = __syncthreads_or(wrong);
-#if ELEM != 2
-  use_pair = t_ok && down >= 8.271806125530277e-25f && rest >= down * 9.094947017729282e-13f && !wrong;
-#endif
+  // The division as far as T decides it, worked out on the host (`division_setup.division`): T inside
+  // `row_reciprocal`'s range (bit 0: t_hi its 1/T) and `row_divisor`'s pair kept (bit 1: t_hi + t_lo).
+  const bool t_ok = TEMP && (t_division & 1), use_pair = t_ok && (t_division & 2);
+  __syncthreads();  // thread 0 has readied the mbarriers the block waits on
   if (bytes) wait_landed<WAIT_NS>(&sh.full);
 
   // The slice's max in the logits' own type (exact, NaN-propagating), then fp32.
@@ -469,8 +449,8 @@ cluster_row_stats(const unsigned char* __restrict__ x, i64 stride_bytes, const i
     float am = fabsf(row_max);
     bool ok = t_ok && am >= 8.673617379884035e-19f && am <= 1.2676506002282294e30f;
     div = !ok ? 2 : use_pair ? 3 : 1;
-    inv_t = !ok ? 0.0f : use_pair ? down : recip;
-    inv_lo = ok && use_pair ? rest : 0.0f;
+    inv_t = ok ? t_hi : 0.0f;
+    inv_lo = ok && use_pair ? t_lo : 0.0f;
   }
   // A masked column's entropy term e nd is 0 * inf = NaN. The sums are modulo 2^64, and a row's true
   // entropy sum is below 2^63 (under 2^23 columns of terms below 2^40): where this GPU converts a NaN to 0

@@ -26,11 +26,12 @@ from helpers import (
     engine_request,
     mismatches,
     model_like_logits,
+    nearest_fp32,
     pair_misses,
     random_labels,
 )
 
-from rl_logp.kernels import cluster_launch, cuda_source
+from rl_logp.kernels import cluster_launch, cuda_source, division_setup
 from rl_logp.kernels.launch import LaunchConfig
 
 HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] >= 9
@@ -253,9 +254,12 @@ def _emulate(directory, x, labels, temperature, entropy, full, slice_bytes, thre
     picks = 1 if labels is None or labels.dim() == 1 else labels.shape[1]
     if labels is not None:
         labels.contiguous().numpy().tofile(run_dir / "labels.bin")
-    t_bits = struct.unpack("<I", struct.pack("<f", 1.0 if temperature is None else temperature))[0]
+    t = 1.0 if temperature is None else temperature
+    t_hi, t_lo, t_division = division_setup.division(t, cluster_launch.MANTISSA_BITS[x.dtype])
+    t_bits = [struct.unpack("<I", struct.pack("<f", v))[0] for v in (t, t_hi, t_lo)]
     run = subprocess.run([str(binary), str(run_dir), str(n), str(vocab), str(vocab * x.element_size()), str(picks),
-                          str(t_bits), str(vocab), str(width), str(int(labels is not None)), str(int(full))],
+                          *map(str, t_bits), str(t_division), str(vocab), str(width), str(int(labels is not None)),
+                          str(int(full))],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-6000:]
 
@@ -364,6 +368,19 @@ def test_rows_with_more_labels_than_threads_keep_the_contracts_bits(tmp_path_fac
     (labels past the block's threads) at the row's end: 40 labels a row for 32 threads, both kinds of
     load in one row, bit for bit."""
     _check_emulated(tmp_path_factory, torch.bfloat16, (None, 0.7), True, 32, 2, n_picks=40)
+
+
+def test_the_division_set_ups_fma_rounds_the_exact_sum_where_fp64_cannot_hold_it():
+    """`division_setup`'s fp32 fma: sums whose fp64 rounding lands on a midpoint of two fp32 values (the
+    addend lost below fp64's last bit) round as the exact sum does, up or down; others as fp64 rounds them
+    (exact rational arithmetic, `nearest_fp32`, is the reference)."""
+    from fractions import Fraction
+
+    a = numpy.array([1 + 2.0**-24, 1 + 2.0**-24, 1 + 3 * 2.0**-24, 1 + 3 * 2.0**-24, 1.5, 1 + 2.0**-24])
+    b = numpy.array([2.0**-60, -(2.0**-60), 2.0**-60, -(2.0**-60), 2.0**-30, 0.0])
+    got = division_setup._fma_fp32(a, b)
+    want = [float(nearest_fp32(Fraction(x) + Fraction(y))) for x, y in zip(a, b, strict=True)]
+    assert got.tolist() == want == [1 + 2.0**-23, 1.0, 1 + 2.0**-22, 1 + 2.0**-23, 1.5, 1.0]
 
 
 def test_a_temperature_whose_quotients_the_pair_misses_gets_the_ieee_quotients(tmp_path_factory):

@@ -363,21 +363,51 @@ def test_reciprocal_division_is_the_ieee_quotient_where_it_is_used(device, dtype
         assert not (_differing(got, _ieee_quotient(values, t), values) & used).any(), t
 
 
-def _reciprocal_quotients(values, t, pair, row_max=1.0):
+@pytest.mark.parametrize("device", FUSED_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_the_cluster_forwards_division_set_up_on_the_host_is_the_kernels(device, dtype):
+    """`division_setup.division` (what T alone decides, worked out on the host for the cluster forward)
+    decides as the Triton kernels' `row_divisor` and `row_reciprocal` do in a row whose max they accept:
+    their pair (hi, lo) where they keep it, their 1/T where they keep the reciprocal alone, neither where
+    they refuse T; at temperatures they accept, at the ends of their range and past them, at two whose
+    fp16 quotients the pair misses and at two whose lo is below hi 2^-40."""
+    from rl_logp.kernels import cluster_launch, division_setup
+
+    values = torch.ones(8, dtype=dtype, device=device)
+    temperatures = [*_temperatures(device), 2.0**-10, 2.0**100, 2.0**-11, 2.0**90, 2.0**101, float("inf"), 0.0, -0.7,
+                    float("nan"), PAIR_MISSING_T, 0.17463384568691254, 0.7042195796966553, 0.6324090361595154]
+    kinds = set()
+    for t in temperatures:
+        hi, lo, flags = division_setup.division(t, cluster_launch.MANTISSA_BITS[dtype])
+        _, pair_hi, pair_lo = _reciprocal_quotients(values, t, pair=True, with_hi=True)
+        _, recip, _ = _reciprocal_quotients(values, t, pair=False, with_hi=True)
+        if flags & division_setup.PAIR:
+            assert (hi, lo) == (pair_hi, pair_lo) and pair_lo > 0, t
+        else:
+            assert pair_lo == 0 and (hi, lo) == (recip, 0.0), t
+        assert bool(flags & division_setup.T_IN_RANGE) == (recip > 0), t
+        kinds.add(flags)
+    assert kinds == ({0, division_setup.T_IN_RANGE} if dtype == torch.float32 else
+                     {0, division_setup.T_IN_RANGE, division_setup.T_IN_RANGE | division_setup.PAIR}), kinds
+
+
+def _reciprocal_quotients(values, t, pair, row_max=1.0, with_hi=False):
     """(z, inv_lo) of 1-D `values` divided by T through `scale_logits` in a row whose max is `row_max`:
-    with `row_divisor`'s pair (`pair`), else `row_reciprocal`'s 1/T (Markstein's correction)."""
+    with `row_divisor`'s pair (`pair`), else `row_reciprocal`'s 1/T (Markstein's correction); `with_hi`:
+    (z, inv_t, inv_lo)."""
     block = 8192
     grid = triton.cdiv(values.numel(), block)
     out = torch.empty(values.shape, dtype=torch.float32, device=values.device)
+    hi = torch.empty(grid, dtype=torch.float32, device=values.device)
     lo = torch.empty(grid, dtype=torch.float32, device=values.device)
-    _divide[(grid,)](values, out, lo, t, row_max, values.numel(), PAIR=pair, BLOCK=block)
-    return out, float(lo[0])
+    _divide[(grid,)](values, out, hi, lo, t, row_max, values.numel(), PAIR=pair, BLOCK=block)
+    return (out, float(hi[0]), float(lo[0])) if with_hi else (out, float(lo[0]))
 
 
 if triton is not None:
 
     @triton.jit
-    def _divide(X, Z, LO, t, row_max, n, PAIR: tl.constexpr, BLOCK: tl.constexpr):
+    def _divide(X, Z, HI, LO, t, row_max, n, PAIR: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(X + offs, mask=offs < n)
         if PAIR:
@@ -388,6 +418,7 @@ if triton is not None:
             inv_lo = tl.full([], 0.0, tl.float32)
         z = fixed_point.scale_logits(x, t, inv_t, fixed_point.TEMP_SCALAR, fixed_point.DIV_RECIPROCAL, inv_lo, PAIR)
         tl.store(Z + offs, z, mask=offs < n)
+        tl.store(HI + tl.program_id(0), inv_t)
         tl.store(LO + tl.program_id(0), inv_lo)
 
 

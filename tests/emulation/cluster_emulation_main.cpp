@@ -1,10 +1,11 @@
 // Runs `kernels/cluster_row_stats.cu` (KERNEL_SOURCE) on the CPU over rows of logits read from files, a
 // cluster of CLUSTER blocks of THREADS threads per row, every thread a CPU thread (`cluster_emulation.h`).
 //
-//   emulator DIR ROWS COLS STRIDE_BYTES PICKS T_BITS STRIDE_FULL WIDTH HAS_LABELS WANT_FULL
+//   emulator DIR ROWS COLS STRIDE_BYTES PICKS T_BITS HI_BITS LO_BITS DIVISION STRIDE_FULL WIDTH HAS_LABELS WANT_FULL
 //
 // reads DIR/x.bin (ROWS rows of STRIDE_BYTES bytes) and, with HAS_LABELS, DIR/labels.bin (int64, ROWS x
-// PICKS); T_BITS is the temperature's fp32 bit pattern. Writes DIR/{max,log_sum,lse}.bin (fp32 [ROWS]),
+// PICKS); T_BITS is the temperature's fp32 bit pattern, HI_BITS, LO_BITS and DIVISION the host's set-up
+// of its division (`kernels/division_setup.py`: t_hi's and t_lo's fp32 bit patterns, t_division). Writes DIR/{max,log_sum,lse}.bin (fp32 [ROWS]),
 // logp.bin (fp32 [ROWS, PICKS]) with labels, ent.bin with ENTROPY, full.bin (fp32, ROWS x STRIDE_FULL)
 // with WANT_FULL: what the launch in `cluster_launch.py` asks of the kernel. Outputs start as a NaN
 // pattern the kernel never writes, and shared memory as 0xA5 bytes; every buffer has exactly its size.
@@ -26,7 +27,8 @@ struct Launch {
   long long stride_bytes;
   const long long* labels;
   int picks;
-  float t;
+  float t, t_hi, t_lo;
+  int t_division;
   float *out_max, *out_log_sum, *out_lse, *out_logp, *out_ent, *out_full;
   long long stride_full;
   int cols, width, row;
@@ -47,7 +49,7 @@ void* run_thread(void* p) {
   emu::self.arrival.reset();
   threadIdx.x = s.tid;
   blockIdx.x = (unsigned)l.row * CLUSTER + s.rank;
-  cluster_row_stats(l.x, l.stride_bytes, l.labels, l.picks, l.t, l.out_max, l.out_log_sum, l.out_lse, l.out_logp,
+  cluster_row_stats(l.x, l.stride_bytes, l.labels, l.picks, l.t, l.t_hi, l.t_lo, l.t_division, l.out_max, l.out_log_sum, l.out_lse, l.out_logp,
                     l.out_ent, l.out_full, l.stride_full, l.cols, l.width);
   if (emu::self.arrival) emu::fail("a thread ended with a cluster arrival it never waited on");
   return nullptr;
@@ -93,15 +95,21 @@ float* output(std::size_t count) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 11) emu::fail("usage: emulator DIR ROWS COLS STRIDE_BYTES PICKS T_BITS STRIDE_FULL WIDTH HAS_LABELS WANT_FULL");
+  if (argc != 14) {
+    emu::fail("usage: emulator DIR ROWS COLS STRIDE_BYTES PICKS T_BITS HI_BITS LO_BITS DIVISION STRIDE_FULL WIDTH "
+              "HAS_LABELS WANT_FULL");
+  }
   const std::string dir = argv[1];
   const int rows = std::atoi(argv[2]), cols = std::atoi(argv[3]);
   const long long stride_bytes = std::atoll(argv[4]);
   const int picks = std::atoi(argv[5]);
   const float t = __uint_as_float((unsigned)std::strtoul(argv[6], nullptr, 10));
-  const long long stride_full = std::atoll(argv[7]);
-  const int width = std::atoi(argv[8]);
-  const bool has_labels = std::atoi(argv[9]) != 0, want_full = std::atoi(argv[10]) != 0;
+  const float t_hi = __uint_as_float((unsigned)std::strtoul(argv[7], nullptr, 10));
+  const float t_lo = __uint_as_float((unsigned)std::strtoul(argv[8], nullptr, 10));
+  const int t_division = std::atoi(argv[9]);
+  const long long stride_full = std::atoll(argv[10]);
+  const int width = std::atoi(argv[11]);
+  const bool has_labels = std::atoi(argv[12]) != 0, want_full = std::atoi(argv[13]) != 0;
 
   Launch l{};
   l.x = static_cast<const unsigned char*>(read_file(dir + "/x.bin", (std::size_t)rows * stride_bytes));
@@ -109,6 +117,9 @@ int main(int argc, char** argv) {
   l.labels = has_labels ? static_cast<const long long*>(read_file(dir + "/labels.bin", (std::size_t)rows * picks * 8)) : nullptr;
   l.picks = picks;
   l.t = t;
+  l.t_hi = t_hi;
+  l.t_lo = t_lo;
+  l.t_division = t_division;
   l.out_max = output(rows);
   l.out_log_sum = output(rows);
   l.out_lse = output(rows);
