@@ -8,8 +8,9 @@
 #             the call carries, e.g. `git show HEAD~1:kernels/cluster_row_stats.cu > ab_base.cu`), or with
 #             AB_PATCH (e.g. docs/experiments/X.patch) the tree's package against the tree with the patch
 #             applied (kernels, launches, package: side `patch`), the sweep's default launch in AB_ROUNDS (3)
-#             alternating rounds of a process each -> $OUT/${GPU}_sweep_ab.jsonl; with AB_ROLLOUT_ROWS also
-#             the rollout-size calls at those rows on each side -> $OUT/${GPU}_calls_ab_<side>_<round>.json
+#             rounds of a process each, the side timed first alternating from round to round
+#             -> $OUT/${GPU}_sweep_ab.jsonl; with AB_ROLLOUT_ROWS also the rollout-size calls at those rows on each
+#             side -> $OUT/${GPU}_calls_ab_<side>_<round>.json
 #   calls     bench_logp.py --suites rollout overhead tp (CALLS_SUITES, more arguments in CALLS_ARGS): rollout-size
 #             calls, host time, TP agreement cost -> $OUT/${GPU}_calls.json
 #   bench     bench_logp.py --suites main: every provider at 8192 and 32768 rows -> $OUT/${GPU}_bench.json
@@ -93,7 +94,10 @@ for stage in ${STAGES}; do
       fi
       cp "${kernel}" /tmp/ab_tree.cu
       for round in $(seq "${AB_ROUNDS:-3}"); do
-        for side in tree "${other}"; do
+        # Each side goes first in every other round, so that neither is always the one timed first.
+        sides="tree ${other}"
+        if [ $((round % 2)) -eq 0 ]; then sides="${other} tree"; fi
+        for side in ${sides}; do
           path="${BASE}"
           if [ "${side}" = patch ]; then path="/tmp/pkg_patch:${BASE#/tmp/pkg:}"; fi
           if [ "${side}" = tree ]; then cp /tmp/ab_tree.cu "${kernel}"; elif [ "${side}" = base ]; then cp "${AB_BASE:-ab_base.cu}" "${kernel}"; fi
