@@ -67,7 +67,11 @@ for stage in ${STAGES}; do
       # the cluster forward last. At the limit pytest gets SIGINT, so it still lists what passed, failed and
       # was skipped, and the slowest tests.
       : > "$OUT/gpu_tests.txt"
-      IFS=';' read -ra TEST_GROUPS <<< "${TEST_FILES:-tests/test_launcher.py; tests/test_fused_kernel.py tests/test_invariance.py tests/test_compile.py tests/test_tp_agreement.py tests/test_entropy.py tests/test_api_and_config.py tests/test_reference_accuracy.py tests/test_rollout_calls.py tests/test_temperature_kernel.py; tests/test_cluster_forward.py}"
+      default_tests="tests/test_launcher.py; tests/test_fused_kernel.py tests/test_invariance.py tests/test_compile.py
+        tests/test_tp_agreement.py tests/test_entropy.py tests/test_api_and_config.py tests/test_reference_accuracy.py
+        tests/test_rollout_calls.py tests/test_temperature_kernel.py; tests/test_rollout_kernels.py tests/test_sampling_mask.py
+        tests/test_rollout_scores.py; tests/test_cluster_forward.py"
+      IFS=';' read -ra TEST_GROUPS <<< "$(echo ${TEST_FILES:-${default_tests}})"
       for group in "${TEST_GROUPS[@]}"; do
         # shellcheck disable=SC2086
         timeout -s INT -k 30 "${TEST_TIMEOUT:-240}" python3 -P -m pytest -q ${group} -k "${TEST_FILTER:-not cpu and not world}" \
