@@ -385,10 +385,10 @@ def test_the_division_set_ups_fma_rounds_the_exact_sum_where_fp64_cannot_hold_it
 
 def test_a_temperature_whose_quotients_the_pair_misses_gets_the_ieee_quotients(tmp_path_factory):
     """fp16 logits at a T where `row_divisor`'s pair misses one significand's IEEE quotient of 1024
-    (`pair_misses`, exact arithmetic): a block's threads share the check of every significand and vote,
-    so every thread divides otherwise; two warps a block, rows holding every fp16 significand at several
-    exponents and both signs, labels on the missed one, bit for bit in every output (fails if the check
-    covers only the first 32 significands, or a thread keeps its own verdict: checked by mutation)."""
+    (`pair_misses`, exact arithmetic): the host's set-up (`division_setup`) checks every significand and
+    refuses the pair, so every thread divides otherwise; two warps a block, rows holding every fp16
+    significand at several exponents and both signs, labels on the missed one, bit for bit in every output
+    (fails if the check covers only the first 32 significands: checked by mutation)."""
     assert pair_misses(PAIR_MISSING_T, 10) == [349]
     significands = 1.0 + torch.arange(1024, dtype=torch.float32) / 1024
     x = torch.stack([torch.cat([significands * 2.0 ** (r - 2), -significands * 2.0 ** (r - 5)]) for r in range(6)])

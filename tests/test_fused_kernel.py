@@ -314,7 +314,7 @@ def test_reciprocal_pair_is_the_ieee_quotient_of_every_16bit_value(device, dtype
     serves (|M| >= 2^-60)."""
     values = _all_bit_patterns(dtype, device)
     for t in _temperatures(device):
-        got, inv_lo = _reciprocal_quotients(values, t, pair=True)
+        got, _, inv_lo = _reciprocal_quotients(values, t, pair=True)
         want = _ieee_quotient(values, t)
         assert inv_lo > 0, t
         assert not (_differing(got, want, values) & ((got.abs() >= 2.0**-85) | (want.abs() >= 2.0**-85))).any(), t
@@ -324,11 +324,11 @@ def test_reciprocal_pair_is_the_ieee_quotient_of_every_16bit_value(device, dtype
 def test_reciprocal_pair_refuses_what_it_cannot_check(device):
     values = _all_bit_patterns(torch.bfloat16, device)
     for t in (2.0**-11, 2.0**90, float("inf"), 0.0, -0.7, float("nan")):  # row_reciprocal's range, or hi < 2^-80
-        got, inv_lo = _reciprocal_quotients(values, t, pair=True)
+        got, _, inv_lo = _reciprocal_quotients(values, t, pair=True)
         assert inv_lo == 0, t
         assert not _differing(got, _ieee_quotient(values, t), values).any(), t  # div_rn
     for row_max in (1e-20, 1e31, float("nan"), float("inf"), float("-inf")):  # |M| outside [2^-60, 2^100]
-        assert _reciprocal_quotients(values, 0.7, pair=True, row_max=row_max)[1] == 0, row_max
+        assert _reciprocal_quotients(values, 0.7, pair=True, row_max=row_max)[2] == 0, row_max
 
 
 @pytest.mark.parametrize("device", FUSED_DEVICES)
@@ -337,7 +337,7 @@ def test_reciprocal_pair_refuses_a_temperature_whose_quotients_it_misses(device)
     exact arithmetic), `row_divisor` refuses the pair and every fp16 value gets the IEEE quotient."""
     assert pair_misses(PAIR_MISSING_T, 10) == [349]
     values = _all_bit_patterns(torch.float16, device)
-    got, inv_lo = _reciprocal_quotients(values, PAIR_MISSING_T, pair=True)
+    got, _, inv_lo = _reciprocal_quotients(values, PAIR_MISSING_T, pair=True)
     assert inv_lo == 0
     assert not _differing(got, _ieee_quotient(values, PAIR_MISSING_T), values).any()
 
@@ -359,7 +359,7 @@ def test_reciprocal_division_is_the_ieee_quotient_where_it_is_used(device, dtype
     used = ((mag >= 2.0**-100) & (mag <= 2.0**100)) | (values.float() == float("-inf"))
     assert used.float().mean() > 0.75
     for t in _temperatures(device):
-        got, _ = _reciprocal_quotients(values, t, pair=False)
+        got, _, _ = _reciprocal_quotients(values, t, pair=False)
         assert not (_differing(got, _ieee_quotient(values, t), values) & used).any(), t
 
 
@@ -379,8 +379,8 @@ def test_the_cluster_forwards_division_set_up_on_the_host_is_the_kernels(device,
     kinds = set()
     for t in temperatures:
         hi, lo, flags = division_setup.division(t, cluster_launch.MANTISSA_BITS[dtype])
-        _, pair_hi, pair_lo = _reciprocal_quotients(values, t, pair=True, with_hi=True)
-        _, recip, _ = _reciprocal_quotients(values, t, pair=False, with_hi=True)
+        _, pair_hi, pair_lo = _reciprocal_quotients(values, t, pair=True)
+        _, recip, _ = _reciprocal_quotients(values, t, pair=False)
         if flags & division_setup.PAIR:
             assert (hi, lo) == (pair_hi, pair_lo) and pair_lo > 0, t
         else:
@@ -391,17 +391,16 @@ def test_the_cluster_forwards_division_set_up_on_the_host_is_the_kernels(device,
                      {0, division_setup.T_IN_RANGE, division_setup.T_IN_RANGE | division_setup.PAIR}), kinds
 
 
-def _reciprocal_quotients(values, t, pair, row_max=1.0, with_hi=False):
-    """(z, inv_lo) of 1-D `values` divided by T through `scale_logits` in a row whose max is `row_max`:
-    with `row_divisor`'s pair (`pair`), else `row_reciprocal`'s 1/T (Markstein's correction); `with_hi`:
-    (z, inv_t, inv_lo)."""
+def _reciprocal_quotients(values, t, pair, row_max=1.0):
+    """(z, inv_t, inv_lo) of 1-D `values` divided by T through `scale_logits` in a row whose max is
+    `row_max`: with `row_divisor`'s pair (`pair`), else `row_reciprocal`'s 1/T (Markstein's correction)."""
     block = 8192
     grid = triton.cdiv(values.numel(), block)
     out = torch.empty(values.shape, dtype=torch.float32, device=values.device)
     hi = torch.empty(grid, dtype=torch.float32, device=values.device)
     lo = torch.empty(grid, dtype=torch.float32, device=values.device)
     _divide[(grid,)](values, out, hi, lo, t, row_max, values.numel(), PAIR=pair, BLOCK=block)
-    return (out, float(hi[0]), float(lo[0])) if with_hi else (out, float(lo[0]))
+    return out, float(hi[0]), float(lo[0])
 
 
 if triton is not None:
