@@ -4,8 +4,9 @@ under `ncu`, one case per run).
 Trainer cases (T = 1, T = 0.7, T = 1 with entropy, T = 0.7 with entropy): one forward and in-place backward
 of `rl_logp.logprobs` on bf16 logits, 8192 rows by default; with `--forward-only` the forward alone on
 logits that need no gradient, as a rollout calls it once per decode step (`bench_logp.py`'s rollout
-suite). Rollout cases (`kept_*`): the top-k / top-p kept set as the patched vLLM samplers call it (`rl_logp.sampling_mask.mask_logits_` on fp32 logits divided
-by T = 0.7, drawn as `bench_rollout.py` draws them), one row by default, where the kept set's step is
+suite). Rollout cases (`kept_*`): the top-k / top-p kept set as the patched vLLM samplers call it
+(`rl_logp.sampling_mask.mask_logits_` on fp32 logits divided by T = 0.7, drawn as `bench_rollout.py`
+draws them), one row by default, where the kept set's step is
 GPU-bound (`docs/vllm.md`): the profile gives each of the split plan's launches its own duration. Each case
 warms up outside any NVTX range, then runs once inside the range `measure`, so `ncu --nvtx --nvtx-include
 measure/` profiles only the kernels of that call. On a machine without a GPU it runs the same calls on the

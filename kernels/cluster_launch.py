@@ -26,7 +26,8 @@ from . import cuda_source, division_setup
 SOURCE = pathlib.Path(__file__).with_name("cluster_row_stats.cu")
 KERNEL = "cluster_row_stats"
 ELEMENT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}  # fraction bits of each logits type (`division_setup`)
+# The fraction bits of each logits type, as `division_setup.division` takes them.
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 CLUSTERS = (2, 4, 8)  # blocks per row tried, fewest first (8: the portable cluster size's limit)
 FRACTION_BITS = 40  # the kernel's fixed point, F
 SHARED_PER_SM = 233472  # bytes of shared memory of an H100/H200 SM (228 KB; a block takes at most 227 KB)

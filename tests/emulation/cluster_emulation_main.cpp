@@ -5,10 +5,11 @@
 //
 // reads DIR/x.bin (ROWS rows of STRIDE_BYTES bytes) and, with HAS_LABELS, DIR/labels.bin (int64, ROWS x
 // PICKS); T_BITS is the temperature's fp32 bit pattern, HI_BITS, LO_BITS and DIVISION the host's set-up
-// of its division (`kernels/division_setup.py`: t_hi's and t_lo's fp32 bit patterns, t_division). Writes DIR/{max,log_sum,lse}.bin (fp32 [ROWS]),
-// logp.bin (fp32 [ROWS, PICKS]) with labels, ent.bin with ENTROPY, full.bin (fp32, ROWS x STRIDE_FULL)
-// with WANT_FULL: what the launch in `cluster_launch.py` asks of the kernel. Outputs start as a NaN
-// pattern the kernel never writes, and shared memory as 0xA5 bytes; every buffer has exactly its size.
+// of its division (`kernels/division_setup.py`: t_hi's and t_lo's fp32 bit patterns, t_division). Writes
+// DIR/{max,log_sum,lse}.bin (fp32 [ROWS]), logp.bin (fp32 [ROWS, PICKS]) with labels, ent.bin with
+// ENTROPY, full.bin (fp32, ROWS x STRIDE_FULL) with WANT_FULL: what the launch in `cluster_launch.py` asks
+// of the kernel. Outputs start as a NaN pattern the kernel never writes, and shared memory as 0xA5 bytes;
+// every buffer has exactly its size.
 #include "cluster_emulation.h"
 
 #include KERNEL_SOURCE
@@ -49,8 +50,8 @@ void* run_thread(void* p) {
   emu::self.arrival.reset();
   threadIdx.x = s.tid;
   blockIdx.x = (unsigned)l.row * CLUSTER + s.rank;
-  cluster_row_stats(l.x, l.stride_bytes, l.labels, l.picks, l.t, l.t_hi, l.t_lo, l.t_division, l.out_max, l.out_log_sum, l.out_lse, l.out_logp,
-                    l.out_ent, l.out_full, l.stride_full, l.cols, l.width);
+  cluster_row_stats(l.x, l.stride_bytes, l.labels, l.picks, l.t, l.t_hi, l.t_lo, l.t_division, l.out_max,
+                    l.out_log_sum, l.out_lse, l.out_logp, l.out_ent, l.out_full, l.stride_full, l.cols, l.width);
   if (emu::self.arrival) emu::fail("a thread ended with a cluster arrival it never waited on");
   return nullptr;
 }
