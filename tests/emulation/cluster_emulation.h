@@ -60,7 +60,6 @@ struct Block {
   std::size_t arena_bytes;
   unsigned char* dynamic;    // DYNAMIC_SHARED
   std::uint64_t* exchange;   // a slot per thread, for shuffles
-  int* flag;                 // __syncthreads_or
 };
 
 struct Cluster {
@@ -152,17 +151,6 @@ inline void exp_parts(float x, float& r, float& s) {
 }
 
 inline void __syncthreads() { emu::self.block->threads->arrive_and_wait(); }
-
-inline int __syncthreads_or(int predicate) {
-  emu::Block& b = *emu::self.block;
-  if (predicate) __atomic_fetch_or(b.flag, 1, __ATOMIC_SEQ_CST);
-  b.threads->arrive_and_wait();
-  const int any = __atomic_load_n(b.flag, __ATOMIC_SEQ_CST);
-  b.threads->arrive_and_wait();
-  if (threadIdx.x == 0) __atomic_store_n(b.flag, 0, __ATOMIC_SEQ_CST);
-  b.threads->arrive_and_wait();
-  return any;
-}
 
 template <class T>
 inline T __shfl_xor_sync(unsigned int mask, T v, int lane_mask) {

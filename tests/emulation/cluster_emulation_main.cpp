@@ -144,7 +144,6 @@ int main(int argc, char** argv) {
       b.arena = static_cast<unsigned char*>(aligned(sizeof(BlockShared), 0xA5));
       b.dynamic = static_cast<unsigned char*>(aligned((std::size_t)width * ESIZE, 0xA5));
       b.exchange = static_cast<std::uint64_t*>(aligned(THREADS * 8, 0));
-      b.flag = static_cast<int*>(aligned(sizeof(int), 0));
     }
     emu::Cluster cluster{cluster_barrier, blocks.data(), CLUSTER};
     l.row = row;
@@ -163,7 +162,6 @@ int main(int argc, char** argv) {
       std::free(b.arena);
       std::free(b.dynamic);
       std::free(b.exchange);
-      std::free(b.flag);
     }
     free_barriers(cluster_barrier, 1);
   }
