@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: lay out the package, install the carried wheels (.whl/, see
 # benchmarks/make_device_bundle.sh), then run the stages named in STAGES (default: tests bench):
-#   tests     the GPU tests (TEST_FILES: groups of files separated by ';', a process each; TEST_FILTER)
+#   tests     the GPU tests (TEST_FILES: groups of files separated by ';', a process each; TEST_FILTER;
+#             TEST_WORKERS: pytest-xdist processes per group, for groups whose time is Triton's compiles)
 #             -> $OUT/gpu_tests.txt
 #   sweep     bench_logp.py --suites sweep: launch variants of the fused kernels -> $OUT/${GPU}_sweep.json
 #   ab        the tree's cluster forward against another source of it (AB_BASE, default ab_base.cu: a file
@@ -74,7 +75,7 @@ for stage in ${STAGES}; do
       IFS=';' read -ra TEST_GROUPS <<< "$(echo ${TEST_FILES:-${default_tests}})"
       for group in "${TEST_GROUPS[@]}"; do
         # shellcheck disable=SC2086
-        timeout -s INT -k 30 "${TEST_TIMEOUT:-240}" python3 -P -m pytest -q ${group} -k "${TEST_FILTER:-not cpu and not world}" \
+        timeout -s INT -k 30 "${TEST_TIMEOUT:-240}" python3 -P -m pytest -q ${group} -k "${TEST_FILTER:-not cpu and not world}" ${TEST_WORKERS:+-n ${TEST_WORKERS}} \
           -p no:cacheprovider -rA -v --durations=15 2>&1 | quiet >> "$OUT/gpu_tests.txt"
       done
       grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/gpu_tests.txt" | tail -25 ;;
