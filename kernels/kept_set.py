@@ -7,17 +7,22 @@ the same bits:
   everything, four passes over the row in the common case (max, counts, compaction of the bracketed
   keys, write), the later ones mostly from L2 as the row was just read. One allocation: the programs'
   scratch rows.
-- split (few rows, `KeptSetLaunch.split_rows`): three launches of `kept_set_range_kernel`, each on
-  `split` programs per row, one per column range: (1) the range's max (and the row's arrival counter
-  zeroed); (2) the range's bucket counts and exact mass given the row max; (3) the range written and its
-  smallest kept value (and with a draw its best key). Each program of launches 2 and 3 counts its arrival
-  on the row's counter with an atomic add; the last of a row to finish launch 2 sums the ranges' counts
-  and masses (integers: order-free) and finds the row's c (`cut_value`, which compacts the bracketed keys
-  of the whole row into the row's scratch), the last to finish launch 3 reduces the ranges' smallest kept
-  values to the row's threshold (and their best keys to the row's draw). The atomics only count arrivals
-  and every reduction is exact (max, min, integer sums), so which program comes last changes no bit.
-  Every workspace is a section of one int32 allocation, sized by the shape (`row_words` per row). No
-  program waits on another.
+- split (few rows, `KeptSetLaunch.split_rows`): four launches of `kept_set_range_kernel` (a draw with
+  neither top-k nor top-p: the first and the last), each on `split` programs per row, one per column
+  range: (1) the range's max (and the row's arrival counter zeroed); (2) the range's bucket counts and
+  exact mass given the row max; (3) the range's keys in the row's bracket compacted into the row's
+  scratch (at the range's offset, so in column order), with the exact mass before the bracket where
+  top-p alone needs it; (4) the range written and its smallest kept value (and with a draw its best
+  key). Each program of launches 2 to 4 counts its arrival on the row's counter with an atomic add; the
+  last of a row to finish launch 2 sums the ranges' counts and masses (integers: order-free) and finds
+  the row's bracket (`bracket`: the buckets holding the top-k key or the top-p cut) and each range's
+  offset in the scratch; the last to finish launch 3 sorts the compacted keys and finds the row's c
+  (`cut_value`; what is left serial there is a top-p after a top-k that did not resolve it, and a
+  bracket over `big` keys, bisected); the last to finish launch 4 reduces the ranges' smallest kept
+  values to the row's threshold (and their best keys to the row's draw). The atomics only count
+  arrivals and every reduction is exact (max, min, integer sums), so which program comes last changes no
+  bit. Every workspace is a section of one int32 allocation, sized by the shape (`row_words` per row).
+  No program waits on another.
 A last pass (`finish_range`) writes -inf outside the set (`write`), gives each row its smallest kept value
 (the threshold `z >= threshold` that `rl_logp.sampling_mask` masks with; -inf for a row left alone: max
 not finite, or k outside (0, V) with p >= 1 or NaN) and, with a draw (`draw`: the patched FlashInfer
@@ -41,15 +46,16 @@ import triton.language as tl
 
 from .arrival import last_to_arrive, published
 from .fixed_point import INTERPRET, Named, max_all
-from .kept_set_select import cut_value, finish_range, first_counts, range_max
+from .kept_set_select import bracket, compact_bracket, cut_value, finish_range, first_counts, range_max
 from .launch import INTERPRETER_SLOTS, launch_options, on_device, sm_count
 from .launcher import CachedLauncher
 
 Draw = tuple[torch.Tensor, torch.Tensor]  # (noise fp32 [n, V], tokens int64 [n]) of a draw from the kept set
 
 PHASE_MAX: tl.constexpr = Named(0)  # split launch 1: each range's max, the row's arrival counter zeroed
-PHASE_COUNT: tl.constexpr = Named(1)  # split launch 2: each range's counts and mass; the row's c by the last
-PHASE_WRITE: tl.constexpr = Named(2)  # split launch 3: each range written; the row's threshold by the last
+PHASE_COUNT: tl.constexpr = Named(1)  # split launch 2: each range's counts and mass; the bracket by the last
+PHASE_CUT: tl.constexpr = Named(2)  # split launch 3: each range's bracketed keys compacted; c by the last
+PHASE_WRITE: tl.constexpr = Named(3)  # split launch 4: each range written; the row's threshold by the last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +116,11 @@ def kept_set_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, SCRATCH, NOISE, stride_n
         token = tl.full([], 0, tl.int32)
         if _is_active(row_max, k_on, p_on):
             counts, total = first_counts(row_ptr, 0, vocab, row_max, k_on, rate, q_scale, HAS_P, BLOCK, NB)
-            cut = cut_value(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, total, scratch, rate, q_scale, HAS_K,
-                            HAS_P, BLOCK, NB, SMALL_, BIG_, PIVOTS_)
+            first, last = bracket(k, p, k_on, p_on, counts, total, rate, q_scale, HAS_K, HAS_P, NB, BIG_)
+            above = compact_bracket(row_ptr, 0, vocab, row_max, first, last, scratch, k_on, rate, q_scale, HAS_P,
+                                    BLOCK, NB)
+            cut = cut_value(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, total, above, scratch, rate, q_scale,
+                            HAS_K, HAS_P, False, BLOCK, NB, SMALL_, BIG_, PIVOTS_)
             threshold, _, token = finish_range(row_ptr, NOISE, row * stride_noise, 0, vocab, cut, WRITE, DRAW,
                                                BLOCK)
         elif DRAW:  # a row left alone draws from every column
@@ -127,32 +136,20 @@ def kept_set_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, SCRATCH, NOISE, stride_n
 @triton.jit
 def _row_workspace(WS, row, SPLIT: tl.constexpr, NB: tl.constexpr, BIG_: tl.constexpr, ROW_WORDS: tl.constexpr):
     """Typed pointers to the row's sections of the split plan's int32 workspace WS, ROW_WORDS (`row_words`)
-    words a row: masses (int64 [SPLIT], first, so 8-byte aligned), counts (int32 [SPLIT, NB]), scratch
-    (int32 [BIG_]), maxes, smallest and the draw's best keys (fp32 [SPLIT] each), the cut (fp32), the
-    arrival counter and the draw's best columns (int32 [SPLIT])."""
-    tl.static_assert(ROW_WORDS >= 6 * SPLIT + SPLIT * NB + BIG_ + 2)
+    words a row: masses and the masses above the bracket (int64 [SPLIT] each, first, so 8-byte aligned),
+    counts (int32 [SPLIT, NB]), scratch (int32 [BIG_]), maxes, smallest and the draw's best keys (fp32
+    [SPLIT] each), the cut (fp32), the arrival counter, the bracket's first and last bucket, the ranges'
+    offsets in the scratch and the draw's best columns (int32 [SPLIT] each)."""
+    tl.static_assert(ROW_WORDS >= 9 * SPLIT + SPLIT * NB + BIG_ + 4)
     masses = WS + row * ROW_WORDS
-    counts = masses + 2 * SPLIT
+    counts = masses + 4 * SPLIT
     scratch = counts + SPLIT * NB
     maxes = (scratch + BIG_).to(tl.pointer_type(tl.float32), bitcast=True)
     cut = maxes + 3 * SPLIT
     arrivals = (cut + 1).to(tl.pointer_type(tl.int32), bitcast=True)
-    return (masses.to(tl.pointer_type(tl.int64), bitcast=True), counts, scratch, maxes, maxes + SPLIT, maxes + 2 * SPLIT,
-            cut, arrivals, arrivals + 1)
-
-
-@triton.jit
-def _split_cut(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, masses, scratch, rate, q_scale,
-               HAS_K: tl.constexpr, HAS_P: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SMALL_: tl.constexpr,
-               BIG_: tl.constexpr, PIVOTS_: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr):
-    """The row's c from its ranges' counts and masses (summed: exact integers), by the last program of the
-    row to finish counting."""
-    s = tl.arange(0, SPLIT_PAD)
-    at = s[:, None] * NB + tl.arange(0, NB)[None, :]
-    row_counts = tl.sum(published(counts + at, (s < SPLIT)[:, None], 0), axis=0)
-    total = tl.sum(published(masses + s, s < SPLIT, 0))
-    return cut_value(row_ptr, vocab, row_max, k, p, k_on, p_on, row_counts, total, scratch, rate, q_scale, HAS_K,
-                     HAS_P, BLOCK, NB, SMALL_, BIG_, PIVOTS_)
+    masses = masses.to(tl.pointer_type(tl.int64), bitcast=True)
+    return (masses, masses + SPLIT, counts, scratch, maxes, maxes + SPLIT, maxes + 2 * SPLIT, cut, arrivals,
+            arrivals + 1, arrivals + 3, arrivals + 3 + SPLIT)
 
 
 @triton.jit
@@ -167,45 +164,30 @@ def kept_set_range_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, WS, NOISE, stride_
     row_ptr = Z + row * stride
     lo = r * span
     hi = tl.minimum(lo + span, vocab)
-    masses, counts, scratch, maxes, smallest, bests, cuts, arrivals, best_cols = _row_workspace(WS, row, SPLIT, NB, BIG_,
-                                                                                           ROW_WORDS)
+    masses, aboves, counts, scratch, maxes, smallest, bests, cuts, arrivals, brackets, offsets, best_cols = \
+        _row_workspace(WS, row, SPLIT, NB, BIG_, ROW_WORDS)
     s = tl.arange(0, SPLIT_PAD)
     if PHASE == PHASE_MAX:
         tl.store(maxes + r, range_max(row_ptr, lo, hi, BLOCK))
         if r == 0:
             tl.store(arrivals, 0)
-    elif PHASE == PHASE_COUNT:
-        row_max = max_all(tl.load(maxes + s, mask=s < SPLIT, other=float("-inf")))
-        k, p, k_on, p_on = _row_parameters(TOP_K, TOP_P, row, vocab, HAS_K, HAS_P)
-        active = _is_active(row_max, k_on, p_on)
-        range_counts = tl.zeros([NB], tl.int32)
-        total = tl.full([], 0, tl.int64)
-        if active:
-            range_counts, total = first_counts(row_ptr, lo, hi, row_max, k_on, rate, q_scale, HAS_P, BLOCK, NB)
-        tl.store(counts + r * NB + tl.arange(0, NB), range_counts)
-        tl.store(masses + r, total)
-        if last_to_arrive(arrivals, SPLIT - 1):
-            cut = tl.full([], float("nan"), tl.float32)
-            if active:
-                cut = _split_cut(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, masses, scratch, rate, q_scale,
-                                 HAS_K, HAS_P, BLOCK, NB, SMALL_, BIG_, PIVOTS_, SPLIT, SPLIT_PAD)
-            tl.store(cuts, cut)
-    else:
-        cut = tl.load(cuts)
+    elif PHASE == PHASE_WRITE:
+        cut = tl.full([], float("nan"), tl.float32)  # a draw alone: launches 2 and 3 are not run
+        if HAS_K or HAS_P:
+            cut = tl.load(cuts)
         least = tl.full([], float("-inf"), tl.float32)
         best = tl.full([], float("-inf"), tl.float32)
         best_col = tl.full([], 0, tl.int32)
         if cut == cut:
-            least, best, best_col = finish_range(row_ptr, NOISE, row * stride_noise, lo, hi, cut, WRITE, DRAW,
-                                                     BLOCK)
+            least, best, best_col = finish_range(row_ptr, NOISE, row * stride_noise, lo, hi, cut, WRITE, DRAW, BLOCK)
         elif DRAW:  # a row left alone draws from every column
-            _, best, best_col = finish_range(row_ptr, NOISE, row * stride_noise, lo, hi, float("-inf"), False,
-                                                 DRAW, BLOCK)
+            _, best, best_col = finish_range(row_ptr, NOISE, row * stride_noise, lo, hi, float("-inf"), False, DRAW,
+                                             BLOCK)
         tl.store(smallest + r, least)
         if DRAW:
             tl.store(bests + r, best)
             tl.store(best_cols + r, best_col)
-        if last_to_arrive(arrivals, 2 * SPLIT - 1):
+        if last_to_arrive(arrivals, (3 if HAS_K or HAS_P else 1) * SPLIT - 1):
             if THRESHOLD is not None:
                 tl.store(THRESHOLD + row, tl.min(published(smallest + s, s < SPLIT, float("inf"))))
             if DRAW:  # the ranges' best keys: the largest, the smallest column holding it (ranges are ordered)
@@ -213,6 +195,47 @@ def kept_set_range_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, WS, NOISE, stride_
                 top = tl.max(keys)
                 token = tl.min(tl.where((keys == top) & (s < SPLIT), published(best_cols + s, s < SPLIT, 0), vocab))
                 tl.store(TOKENS + row, token.to(tl.int64))
+    else:
+        row_max = max_all(tl.load(maxes + s, mask=s < SPLIT, other=float("-inf")))
+        k, p, k_on, p_on = _row_parameters(TOP_K, TOP_P, row, vocab, HAS_K, HAS_P)
+        active = _is_active(row_max, k_on, p_on)
+        at = s[:, None] * NB + tl.arange(0, NB)[None, :]
+        if PHASE == PHASE_COUNT:
+            range_counts = tl.zeros([NB], tl.int32)
+            total = tl.full([], 0, tl.int64)
+            if active:
+                range_counts, total = first_counts(row_ptr, lo, hi, row_max, k_on, rate, q_scale, HAS_P, BLOCK, NB)
+            tl.store(counts + r * NB + tl.arange(0, NB), range_counts)
+            tl.store(masses + r, total)
+            if last_to_arrive(arrivals, SPLIT - 1):  # the bracket, and where each range's keys in it go
+                first = tl.full([], 1, tl.int32)
+                last = tl.full([], 0, tl.int32)
+                in_bracket = tl.zeros([SPLIT_PAD], tl.int32)
+                if active:
+                    each = published(counts + at, (s < SPLIT)[:, None], 0)
+                    total = tl.sum(published(masses + s, s < SPLIT, 0))
+                    first, last = bracket(k, p, k_on, p_on, tl.sum(each, axis=0), total, rate, q_scale, HAS_K, HAS_P,
+                                          NB, BIG_)
+                    b = tl.arange(0, NB)[None, :]
+                    in_bracket = tl.sum(tl.where((b >= first) & (b <= last), each, 0), axis=1)
+                tl.store(brackets, first)
+                tl.store(brackets + 1, last)
+                tl.store(offsets + s, tl.cumsum(in_bracket, 0) - in_bracket, mask=s < SPLIT)
+        else:
+            first = tl.load(brackets)
+            last = tl.load(brackets + 1)
+            above = compact_bracket(row_ptr, lo, hi, row_max, first, last, scratch + tl.load(offsets + r), k_on, rate,
+                                    q_scale, HAS_P, BLOCK, NB)
+            tl.store(aboves + r, above)
+            if last_to_arrive(arrivals, 2 * SPLIT - 1):  # the row's c from every range's counts and keys
+                cut = tl.full([], float("nan"), tl.float32)
+                if active:
+                    row_counts = tl.sum(published(counts + at, (s < SPLIT)[:, None], 0), axis=0)
+                    total = tl.sum(published(masses + s, s < SPLIT, 0))
+                    above = tl.sum(published(aboves + s, s < SPLIT, 0))
+                    cut = cut_value(row_ptr, vocab, row_max, k, p, k_on, p_on, row_counts, total, above, scratch,
+                                    rate, q_scale, HAS_K, HAS_P, True, BLOCK, NB, SMALL_, BIG_, PIVOTS_)
+                tl.store(cuts, cut)
 
 
 fused_launch = CachedLauncher(kept_set_kernel)  # Triton's launch with less host time (`launcher`)
@@ -248,7 +271,7 @@ def split_count(z: torch.Tensor, cfg: KeptSetLaunch) -> int:
 def row_words(split: int, cfg: KeptSetLaunch) -> int:
     """int32 words of one row's workspace in the split plan (its sections: `_row_workspace`), rounded up to
     a multiple of 32 so that each row starts on a 128-byte line."""
-    return triton.cdiv(6 * split + split * cfg.buckets + cfg.big + 2, 32) * 32
+    return triton.cdiv(9 * split + split * cfg.buckets + cfg.big + 4, 32) * 32
 
 
 def _workspace_shape(z: torch.Tensor, split: int, cfg: KeptSetLaunch) -> tuple[int, ...]:
@@ -276,7 +299,8 @@ def _launches(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor |
     sizes = (split, triton.next_power_of_2(split), row_words(split, cfg))
     return [(range_launch, (n, split), (z, z.stride(0), top_k, top_p, threshold, workspace, *sampling, vocab, span, rate,
                                         q_scale, phase.value, *modes, *sizes))
-            for phase in (PHASE_MAX, PHASE_COUNT, PHASE_WRITE)]
+            for phase in ((PHASE_MAX, PHASE_COUNT, PHASE_CUT, PHASE_WRITE) if modes[0] or modes[1]
+                          else (PHASE_MAX, PHASE_WRITE))]
 
 
 def kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, bits: int,
@@ -289,8 +313,8 @@ def kept_set(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | 
     z - log(noise), the first on a tie (column 0 where no key is finite), in the same last pass.
 
     `top_k`: int32/int64 [n] or None; `top_p`: fp32 [n] or None (contiguous); `bits`: the fixed-point F
-    (<= 62); `launch`: the launch parameters. One allocation and one launch (fused plan) or three (split);
-    none where there is neither a top-k, a top-p nor a draw.
+    (<= 62); `launch`: the launch parameters. One allocation and one launch (fused plan) or four (split;
+    two for a draw alone); none where there is neither a top-k, a top-p nor a draw.
     """
     if top_k is None and top_p is None and draw is None:
         if threshold is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .arrival import published
 from .fixed_point import Named, exact_exp, exact_log, max_all, max_nan
 
 KEY_NEG_INF: tl.constexpr = Named(-2139095041)  # the key of -inf (0xFF800000 ^ 0x7FFFFFFF)
@@ -114,19 +115,20 @@ def histogram(row_ptr, lo, hi, row_max, floor, rate, q_scale, SUM: tl.constexpr,
 
 
 @triton.jit
-def _compact(row_ptr, vocab, row_max, floor, first, last, scratch, rate, q_scale, MASS: tl.constexpr,
+def _compact(row_ptr, lo, hi, row_max, floor, first, last, scratch, rate, q_scale, MASS: tl.constexpr,
              BLOCK: tl.constexpr, NB: tl.constexpr):
-    """Store the keys of the elements (key >= floor) in buckets [first, last] at scratch[0, n); return
-    (MASS) the exact sum of q over those (key >= floor) in buckets before `first`, else 0. The barriers order this
-    row's stores after the previous row's reads of the scratch row, and before this row's reads."""
+    """Store the keys of the elements of columns [lo, hi) (key >= floor) in buckets [first, last] at
+    scratch[0, n); return (MASS) the exact sum of q over those (key >= floor) in buckets before `first`,
+    else 0. The barriers order this row's stores after the previous row's reads of the scratch row, and
+    before this row's reads."""
     tl.debug_barrier()
     n = tl.full([], 0, tl.int32)
     above = tl.full([], 0, tl.int64)
-    for start in range(0, vocab, BLOCK):
+    for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        z = _load(row_ptr, cols, vocab)
+        z = _load(row_ptr, cols, hi)
         key = _key(z)
-        ok = (cols < vocab) & (key >= floor)
+        ok = (cols < hi) & (key >= floor)
         b = _bucket(z, row_max, rate, NB)
         pick = ok & (b >= first) & (b <= last)
         picked = pick.to(tl.int32)
@@ -142,11 +144,16 @@ def _compact(row_ptr, vocab, row_max, floor, first, last, scratch, rate, q_scale
 
 @triton.jit
 def _resolve(scratch, n_in, k_rank, tau, p, above, total, row_max, q_scale, FIND_K: tl.constexpr,
-             FIND_P: tl.constexpr, SUM_HERE: tl.constexpr, CAP: tl.constexpr):
+             FIND_P: tl.constexpr, SUM_HERE: tl.constexpr, SHARED: tl.constexpr, CAP: tl.constexpr):
     """Sort the n_in compacted keys; the k_rank-th largest is tau (FIND_K); q* from the masses of the
-    keys >= tau, preceded by `above`, against P = ceil(p S) with S = `total` or (SUM_HERE) their sum."""
+    keys >= tau, preceded by `above`, against P = ceil(p S) with S = `total` or (SUM_HERE) their sum.
+    SHARED: the keys were stored by the row's other programs (`published`)."""
     i = tl.arange(0, CAP)
-    keys = tl.sort(tl.load(scratch + i, mask=i < n_in, other=KEY_NONE), descending=True)
+    if SHARED:
+        stored = published(scratch + i, i < n_in, KEY_NONE)
+    else:
+        stored = tl.load(scratch + i, mask=i < n_in, other=KEY_NONE)
+    keys = tl.sort(stored, descending=True)
     if FIND_K:
         tau = tl.max(tl.where(i == k_rank, keys, KEY_NONE))
     q_star = tl.full([], 0, tl.int64)
@@ -159,6 +166,20 @@ def _resolve(scratch, n_in, k_rank, tau, p, above, total, row_max, q_scale, FIND
         before = tl.cumsum(q, 0) - q + above
         last = tl.max(tl.where(in_k & (before < target), i, -1))
         q_star = tl.sum(tl.where(i == last, q, 0))
+    return tau, q_star
+
+
+@triton.jit
+def _resolve_sized(scratch, n_in, k_rank, tau, p, above, total, row_max, q_scale, FIND_K: tl.constexpr,
+                   FIND_P: tl.constexpr, SUM_HERE: tl.constexpr, SHARED: tl.constexpr, SMALL_: tl.constexpr,
+                   BIG_: tl.constexpr):
+    """`_resolve` sorting SMALL_ keys where n_in fits them, else BIG_."""
+    if n_in <= SMALL_:
+        tau, q_star = _resolve(scratch, n_in, k_rank, tau, p, above, total, row_max, q_scale, FIND_K, FIND_P,
+                               SUM_HERE, SHARED, SMALL_)
+    else:
+        tau, q_star = _resolve(scratch, n_in, k_rank, tau, p, above, total, row_max, q_scale, FIND_K, FIND_P,
+                               SUM_HERE, SHARED, BIG_)
     return tau, q_star
 
 
@@ -190,10 +211,10 @@ def _bisect(row_ptr, vocab, row_max, floor, target, q_scale, MASS: tl.constexpr,
 
 
 @triton.jit
-def _top_k(row_ptr, vocab, row_max, k, p, chain, counts, scratch, rate, q_scale, BLOCK: tl.constexpr,
-           NB: tl.constexpr, SMALL_: tl.constexpr, BIG_: tl.constexpr, PIVOTS_: tl.constexpr):
-    """(tau, q*, whether q* was found) given the row's bucket counts: with `chain` (top-p on too) and the
-    whole top of the row fitting the scratch row, top-p is resolved on the same sorted keys."""
+def _k_bracket(counts, k, chain, NB: tl.constexpr, BIG_: tl.constexpr):
+    """From the row's bucket counts: the bucket b_k of the k-th key; whether the whole top of the row
+    (buckets [0, b_k]) is compacted, to resolve top-p on the same sorted keys (`chain`: top-p on too, and
+    they fit the scratch row); the keys compacted and the k-th key's rank among them."""
     idx = tl.arange(0, NB)
     through = tl.cumsum(counts, 0)
     b_k = tl.min(tl.where(through >= k, idx, NB - 1))
@@ -202,30 +223,7 @@ def _top_k(row_ptr, vocab, row_max, k, p, chain, counts, scratch, rate, q_scale,
     full = chain & (upto <= BIG_)
     n_in = tl.where(full, upto, inside)
     rank = (k - 1 - tl.where(full, 0, upto - inside)).to(tl.int32)
-    tau = tl.full([], KEY_NEG_INF, tl.int32)
-    q_star = tl.full([], 0, tl.int64)
-    if n_in <= BIG_:
-        _compact(row_ptr, vocab, row_max, KEY_NEG_INF, tl.where(full, 0, b_k), b_k, scratch, rate, q_scale,
-                 False, BLOCK, NB)
-        zero = tl.full([], 0, tl.int64)
-        if full:
-            if n_in <= SMALL_:
-                tau, q_star = _resolve(scratch, n_in, rank, tau, p, zero, zero, row_max, q_scale, True, True, True,
-                                       SMALL_)
-            else:
-                tau, q_star = _resolve(scratch, n_in, rank, tau, p, zero, zero, row_max, q_scale, True, True, True,
-                                       BIG_)
-        else:
-            if n_in <= SMALL_:
-                tau, _ = _resolve(scratch, n_in, rank, tau, p, zero, zero, row_max, q_scale, True, False, False,
-                                  SMALL_)
-            else:
-                tau, _ = _resolve(scratch, n_in, rank, tau, p, zero, zero, row_max, q_scale, True, False, False,
-                                  BIG_)
-    else:
-        tau = _bisect(row_ptr, vocab, row_max, tl.full([], KEY_NEG_INF, tl.int32), k, q_scale, False, BLOCK // 8,
-                      PIVOTS_)
-    return tau, q_star, (full & (n_in <= BIG_)).to(tl.int32)
+    return b_k, full, n_in, rank
 
 
 @triton.jit
@@ -242,9 +240,9 @@ def _mass_bounds(counts, rate, q_scale, NB: tl.constexpr):
 
 
 @triton.jit
-def _top_p(row_ptr, vocab, row_max, tau, p, counts, total, scratch, rate, q_scale, BLOCK: tl.constexpr,
-           NB: tl.constexpr, SMALL_: tl.constexpr, BIG_: tl.constexpr, PIVOTS_: tl.constexpr):
-    """q* of the top-p cut over the keys >= tau, given their bucket counts and exact total mass."""
+def _p_bracket(counts, total, p, rate, q_scale, NB: tl.constexpr):
+    """From the bucket counts and exact total mass of the keys >= tau: the buckets [first, last] that hold
+    the top-p cut (each bucket's mass bounded by its count times q at its edges), and their count."""
     target = _ceil_times(p, total)
     mass_lo, mass_hi = _mass_bounds(counts, rate, q_scale, NB)
     cum_lo = tl.cumsum(mass_lo, 0)
@@ -255,19 +253,26 @@ def _top_p(row_ptr, vocab, row_max, tau, p, counts, total, scratch, rate, q_scal
     first = tl.min(tl.where(at_most >= target, idx, NB - 1))
     last = tl.min(tl.where(surely >= target, idx, NB - 1))
     n_in = tl.sum(tl.where((idx >= first) & (idx <= last), counts, 0))
+    return first, last, n_in
+
+
+@triton.jit
+def _top_p(row_ptr, vocab, row_max, tau, p, counts, total, above, scratch, rate, q_scale, COMPACT: tl.constexpr,
+           SHARED: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SMALL_: tl.constexpr, BIG_: tl.constexpr,
+           PIVOTS_: tl.constexpr):
+    """q* of the top-p cut over the keys >= tau, given their bucket counts and exact total mass; the
+    bracket's keys compacted here (COMPACT) or already (`compact_bracket`, with the mass `above` it)."""
+    first, last, n_in = _p_bracket(counts, total, p, rate, q_scale, NB)
     q_star = tl.full([], 0, tl.int64)
     if n_in <= BIG_:
-        above = _compact(row_ptr, vocab, row_max, tau, first, last, scratch, rate, q_scale, True, BLOCK, NB)
-        if n_in <= SMALL_:
-            _, q_star = _resolve(scratch, n_in, 0, tau, p, above, total, row_max, q_scale, False, True, False, SMALL_)
-        else:
-            _, q_star = _resolve(scratch, n_in, 0, tau, p, above, total, row_max, q_scale, False, True, False, BIG_)
+        if COMPACT:
+            above = _compact(row_ptr, 0, vocab, row_max, tau, first, last, scratch, rate, q_scale, True, BLOCK, NB)
+        _, q_star = _resolve_sized(scratch, n_in, 0, tau, p, above, total, row_max, q_scale, False, True, False,
+                                   SHARED, SMALL_, BIG_)
     else:
-        cut = _bisect(row_ptr, vocab, row_max, tau, target, q_scale, True, BLOCK // 8, PIVOTS_)
+        cut = _bisect(row_ptr, vocab, row_max, tau, _ceil_times(p, total), q_scale, True, BLOCK // 8, PIVOTS_)
         q_star = _terms(_value(cut), row_max, q_scale)
     return q_star
-
-
 
 
 @triton.jit
@@ -297,23 +302,80 @@ def first_counts(row_ptr, lo, hi, row_max, k_on, rate, q_scale, HAS_P: tl.conste
 
 
 @triton.jit
-def cut_value(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, total, scratch, rate, q_scale,
-              HAS_K: tl.constexpr, HAS_P: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+def bracket(k, p, k_on, p_on, counts, total, rate, q_scale, HAS_K: tl.constexpr, HAS_P: tl.constexpr,
+            NB: tl.constexpr, BIG_: tl.constexpr):
+    """The buckets [first, last] whose keys an active row's cut is found among, given `first_counts` summed
+    over the row (no floor on the keys: every key counted): top-k's bucket (from the top with top-p
+    chained on it) or, top-p alone, the bucket range of its cut; first > last where none is compacted (a
+    bracket over BIG_ keys is bisected instead)."""
+    first = tl.full([], 1, tl.int32)
+    last = tl.full([], 0, tl.int32)
+    n_in = tl.full([], BIG_ + 1, tl.int32)
+    if HAS_K:
+        if k_on:
+            b_k, full, n_in, _ = _k_bracket(counts, k, p_on, NB, BIG_)
+            first = tl.where(full, 0, b_k)
+            last = b_k
+    if HAS_P:
+        if p_on & ~k_on:
+            first, last, n_in = _p_bracket(counts, total, p, rate, q_scale, NB)
+    keep = n_in <= BIG_
+    return tl.where(keep, first, 1), tl.where(keep, last, 0)
+
+
+@triton.jit
+def compact_bracket(row_ptr, lo, hi, row_max, first, last, scratch, k_on, rate, q_scale, HAS_P: tl.constexpr,
+                    BLOCK: tl.constexpr, NB: tl.constexpr):
+    """The keys of columns [lo, hi) in the row's `bracket` stored at scratch (in column order), and the
+    exact mass of the keys before it where top-p alone needs it (else 0)."""
+    above = tl.full([], 0, tl.int64)
+    if first <= last:
+        if HAS_P:
+            if k_on:
+                _compact(row_ptr, lo, hi, row_max, KEY_NEG_INF, first, last, scratch, rate, q_scale, False, BLOCK,
+                         NB)
+            else:
+                above = _compact(row_ptr, lo, hi, row_max, KEY_NEG_INF, first, last, scratch, rate, q_scale, True,
+                                 BLOCK, NB)
+        else:
+            _compact(row_ptr, lo, hi, row_max, KEY_NEG_INF, first, last, scratch, rate, q_scale, False, BLOCK, NB)
+    return above
+
+
+@triton.jit
+def cut_value(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, total, above, scratch, rate, q_scale,
+              HAS_K: tl.constexpr, HAS_P: tl.constexpr, SHARED: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
               SMALL_: tl.constexpr, BIG_: tl.constexpr, PIVOTS_: tl.constexpr):
-    """The value c with kept set {z >= c} of an active row, given `first_counts` summed over the row."""
+    """The value c with kept set {z >= c} of an active row, given `first_counts` summed over the row and
+    its `bracket` compacted into scratch (`compact_bracket`; SHARED: by the row's other programs too,
+    `above` the mass they found before it)."""
     tau = tl.full([], KEY_NEG_INF, tl.int32)
     q_star = tl.full([], 0, tl.int64)
     p_done = tl.full([], 0, tl.int32)
+    zero = tl.full([], 0, tl.int64)
     if HAS_K:
         if k_on:
-            tau, q_star, p_done = _top_k(row_ptr, vocab, row_max, k, p, p_on, counts, scratch, rate, q_scale, BLOCK,
-                                         NB, SMALL_, BIG_, PIVOTS_)
+            _b_k, full, n_in, rank = _k_bracket(counts, k, p_on, NB, BIG_)
+            if n_in <= BIG_:
+                if full:
+                    tau, q_star = _resolve_sized(scratch, n_in, rank, tau, p, zero, zero, row_max, q_scale, True,
+                                                 True, True, SHARED, SMALL_, BIG_)
+                else:
+                    tau, _ = _resolve_sized(scratch, n_in, rank, tau, p, zero, zero, row_max, q_scale, True, False,
+                                            False, SHARED, SMALL_, BIG_)
+                p_done = full.to(tl.int32)
+            else:
+                tau = _bisect(row_ptr, vocab, row_max, tl.full([], KEY_NEG_INF, tl.int32), k, q_scale, False,
+                              BLOCK // 8, PIVOTS_)
     if HAS_P:
         if p_on & (p_done == 0):
-            if k_on:
+            if k_on:  # top-p over the keys >= tau: counted and compacted again here, by this program
                 counts, total = histogram(row_ptr, 0, vocab, row_max, tau, rate, q_scale, True, BLOCK, NB)
-            q_star = _top_p(row_ptr, vocab, row_max, tau, p, counts, total, scratch, rate, q_scale, BLOCK, NB,
-                            SMALL_, BIG_, PIVOTS_)
+                q_star = _top_p(row_ptr, vocab, row_max, tau, p, counts, total, zero, scratch, rate, q_scale, True,
+                                False, BLOCK, NB, SMALL_, BIG_, PIVOTS_)
+            else:
+                q_star = _top_p(row_ptr, vocab, row_max, tau, p, counts, total, above, scratch, rate, q_scale,
+                                False, SHARED, BLOCK, NB, SMALL_, BIG_, PIVOTS_)
     return _value(_smallest_key(tau, q_star, row_max, q_scale))
 
 
