@@ -18,6 +18,10 @@ contract's fixed-point terms (the same libdevice `exp` as torch's CUDA `exp`, so
   masses; the mass above the bracket is summed exactly in the same pass. A bracket holding more than
   BIG elements (e.g. top-k with k in the thousands) falls back to a bisection over the keys, PIVOTS keys
   per pass, exact counts or masses at each, until one key is left.
+- A plan runs three steps after `first_counts`: `bracket` (from the row's summed counts), `compact_bracket`
+  (on any column range, at the range's offset in the scratch row: the split plan's ranges compact in
+  parallel) and `cut_value` (the sort and the cut over the compacted keys; a top-p after a top-k that did
+  not resolve it counts and compacts again there, and a bracket over BIG is bisected there).
 Under TRITON_INTERPRET=1 (the CPU) exp is numpy's, not torch's CPU exp.
 """
 
