@@ -96,7 +96,7 @@ def test_kept_set_kernel_fallbacks_are_the_contract(device, small, big):
                          [(1, 5, 64, 32, 4096), (3, 3, 64, 128, 64), (7, 2, 64, 64, 16), (4, 8, 32, 128, 256)],
                          ids=["one-row", "three-rows-large-sort", "seven-rows-bisection", "four-rows-split-8"])
 def test_kept_set_split_plan_is_the_contract(device, batch, split, block, buckets, big):
-    """The split plan (column ranges on several programs per row, three launches) on small shapes: tiles of
+    """The split plan (column ranges on several programs per row, four launches) on small shapes: tiles of
     32 or 64 so that every row is cut into `split` ranges, the last one shorter (split 5: [384, 400) and an
     empty one), edge rows included (at batch 7: part -inf, all -inf, NaN, +inf), rows left alone (k <= 0
     with top-k alone), k in the hundreds (a bracket above `big` is bisected) and p's special values."""
