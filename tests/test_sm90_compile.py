@@ -82,5 +82,5 @@ def test_rollout_launches_pack_for_the_driver_as_tritons_launcher():
                          timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = [line.split("|") for line in run.stdout.splitlines()]
-    assert len(rows) == 9 + 12 + 4  # 9 forwards; the kept set (`kept_set_calls`): split 3 launches x 4, fused 4
+    assert len(rows) == 9 + 14 + 4  # 9 forwards; the kept set (`kept_set_calls`): split 4 launches x 3 + 2, fused 4
     assert [name for name, packed, same in rows if packed != "1" or same != "1"] == []
