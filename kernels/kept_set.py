@@ -299,7 +299,7 @@ def _launches(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor |
     sizes = (split, triton.next_power_of_2(split), row_words(split, cfg))
     return [(range_launch, (n, split), (z, z.stride(0), top_k, top_p, threshold, workspace, *sampling, vocab, span, rate,
                                         q_scale, phase.value, *modes, *sizes))
-            for phase in ((PHASE_MAX, PHASE_COUNT, PHASE_CUT, PHASE_WRITE) if modes[0] or modes[1]
+            for phase in ((PHASE_MAX, PHASE_COUNT, PHASE_CUT, PHASE_WRITE) if top_k is not None or top_p is not None
                           else (PHASE_MAX, PHASE_WRITE))]
 
 

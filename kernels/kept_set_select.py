@@ -332,15 +332,14 @@ def compact_bracket(row_ptr, lo, hi, row_max, first, last, scratch, k_on, rate, 
                     BLOCK: tl.constexpr, NB: tl.constexpr):
     """The keys of columns [lo, hi) in the row's `bracket` stored at scratch (in column order), and the
     exact mass of the keys before it where top-p alone needs it (else 0)."""
+    p_alone = False  # a constant where top-p cannot be on: no exp pass compiled for it
+    if HAS_P:
+        p_alone = ~k_on
     above = tl.full([], 0, tl.int64)
     if first <= last:
-        if HAS_P:
-            if k_on:
-                _compact(row_ptr, lo, hi, row_max, KEY_NEG_INF, first, last, scratch, rate, q_scale, False, BLOCK,
-                         NB)
-            else:
-                above = _compact(row_ptr, lo, hi, row_max, KEY_NEG_INF, first, last, scratch, rate, q_scale, True,
-                                 BLOCK, NB)
+        if p_alone:
+            above = _compact(row_ptr, lo, hi, row_max, KEY_NEG_INF, first, last, scratch, rate, q_scale, True, BLOCK,
+                             NB)
         else:
             _compact(row_ptr, lo, hi, row_max, KEY_NEG_INF, first, last, scratch, rate, q_scale, False, BLOCK, NB)
     return above
