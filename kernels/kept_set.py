@@ -4,9 +4,12 @@ The selection itself (per row: the exact max M, bucket counts of d = M - z, the 
 found from them, and the cut value c with kept set {z >= c}) is `kept_set_select`'s. Two launch plans,
 the same bits:
 - fused (many rows): one launch of `kept_set_kernel`, one persistent program per row at a time doing
-  everything, four passes over the row in the common case (max, counts, compaction of the bracketed
-  keys, write), the later ones mostly from L2 as the row was just read. One allocation: the programs'
-  scratch rows.
+  everything. With top-k on, a pivot guessed from a sample of the row's first columns (`pivot_key`) lets
+  the pass that finds the max also compact every key at or above it; where that holds between k and
+  `big` keys (the common case for k in the hundreds or less), the k-th key (and top-p chained on it) is
+  found by sorting them: two passes over the row (max and compaction, write). Otherwise four passes
+  (max, counts, compaction of the bracketed keys, write), the later ones from L2 where the row still
+  is. One allocation: the programs' scratch rows.
 - split (few rows, `KeptSetLaunch.split_rows`): four launches of `kept_set_range_kernel` (a draw with
   neither top-k nor top-p: the first and the last), each on `split` programs per row, one per column
   range: (1) the range's max (and the row's arrival counter zeroed); (2) the range's bucket counts and
@@ -46,7 +49,17 @@ import triton.language as tl
 
 from .arrival import last_to_arrive, published
 from .fixed_point import INTERPRET, Named, max_all
-from .kept_set_select import bracket, compact_bracket, cut_value, finish_range, first_counts, range_max
+from .kept_set_select import (
+    bracket,
+    compact_bracket,
+    cut_value,
+    finish_range,
+    first_counts,
+    max_and_compact_above,
+    pivot_cut,
+    pivot_key,
+    range_max,
+)
 from .launch import INTERPRETER_SLOTS, launch_options, on_device, sm_count
 from .launcher import CachedLauncher
 
@@ -67,7 +80,9 @@ class KeptSetLaunch:
     per element, more gives narrower brackets); small, big: the two sizes of the sorted scratch row
     (powers of two; a bracket above big is bisected); pivots: keys tried per bisection pass;
     split_rows: the split plan for at most this many rows (0: never); split: programs per row in the
-    split plan (0: enough to give each SM `programs_per_sm` programs, at most `max_split`).
+    split plan (0: enough to give each SM `programs_per_sm` programs, at most `max_split`); sample:
+    columns per group of the fused plan's top-k pivot sample (a power of two; 256 groups from the row's
+    start, `kept_set_select.pivot_key`).
     """
 
     block: int = 4096
@@ -81,6 +96,7 @@ class KeptSetLaunch:
     split_rows: int = 64
     split: int = 0
     max_split: int = 64
+    sample: int = 64
 
 
 @triton.jit
@@ -103,7 +119,7 @@ def _is_active(row_max, k_on, p_on):
 def kept_set_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, SCRATCH, NOISE, stride_noise, TOKENS, n_rows, vocab, rate,
                     q_scale, HAS_K: tl.constexpr, HAS_P: tl.constexpr, WRITE: tl.constexpr, DRAW: tl.constexpr,
                     BLOCK: tl.constexpr, NB: tl.constexpr, SMALL_: tl.constexpr, BIG_: tl.constexpr,
-                    PIVOTS_: tl.constexpr):
+                    PIVOTS_: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
     """The fused plan: rows pid, pid + programs, ... end to end, each with the program's scratch row."""
     pid = tl.program_id(0)
     scratch = SCRATCH + pid.to(tl.int64) * BIG_
@@ -111,16 +127,26 @@ def kept_set_kernel(Z, stride, TOP_K, TOP_P, THRESHOLD, SCRATCH, NOISE, stride_n
     while row < n_rows:
         row_ptr = Z + row * stride
         k, p, k_on, p_on = _row_parameters(TOP_K, TOP_P, row, vocab, HAS_K, HAS_P)
-        row_max = range_max(row_ptr, 0, vocab, BLOCK)
+        pivoted = False  # a constant without top-k: the max pass alone
+        if HAS_K:
+            pivot = pivot_key(row_ptr, vocab, k, k_on, CHUNK, CHUNKS, BIG_)
+            row_max, above_pivot = max_and_compact_above(row_ptr, vocab, pivot, scratch, BLOCK, BIG_)
+            pivoted = k_on & (above_pivot >= k) & (above_pivot <= BIG_)
+        else:
+            row_max = range_max(row_ptr, 0, vocab, BLOCK)
+            above_pivot = tl.full([], 0, tl.int32)
         threshold = tl.full([], float("-inf"), tl.float32)
         token = tl.full([], 0, tl.int32)
         if _is_active(row_max, k_on, p_on):
-            counts, total = first_counts(row_ptr, 0, vocab, row_max, k_on, rate, q_scale, HAS_P, BLOCK, NB)
-            first, last = bracket(k, p, k_on, p_on, counts, total, rate, q_scale, HAS_K, HAS_P, NB, BIG_)
-            above = compact_bracket(row_ptr, 0, vocab, row_max, first, last, scratch, k_on, rate, q_scale, HAS_P,
-                                    BLOCK, NB)
-            cut = cut_value(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, total, above, scratch, rate, q_scale,
-                            HAS_K, HAS_P, False, BLOCK, NB, SMALL_, BIG_, PIVOTS_)
+            if pivoted:
+                cut = pivot_cut(scratch, above_pivot, k, p, p_on, row_max, q_scale, HAS_P, SMALL_, BIG_)
+            else:
+                counts, total = first_counts(row_ptr, 0, vocab, row_max, k_on, rate, q_scale, HAS_P, BLOCK, NB)
+                first, last = bracket(k, p, k_on, p_on, counts, total, rate, q_scale, HAS_K, HAS_P, NB, BIG_)
+                above = compact_bracket(row_ptr, 0, vocab, row_max, first, last, scratch, k_on, rate, q_scale, HAS_P,
+                                        BLOCK, NB)
+                cut = cut_value(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, total, above, scratch, rate,
+                                q_scale, HAS_K, HAS_P, False, BLOCK, NB, SMALL_, BIG_, PIVOTS_)
             threshold, _, token = finish_range(row_ptr, NOISE, row * stride_noise, 0, vocab, cut, WRITE, DRAW,
                                                BLOCK)
         elif DRAW:  # a row left alone draws from every column
@@ -293,8 +319,9 @@ def _launches(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor |
     modes = (top_k is not None, top_p is not None, write, draw is not None, cfg.block, cfg.buckets, cfg.small, cfg.big,
              cfg.pivots)
     if split == 1:
-        return [(fused_launch, (workspace.shape[0],),
-                 (z, z.stride(0), top_k, top_p, threshold, workspace, *sampling, n, vocab, rate, q_scale, *modes))]
+        chunk = min(cfg.sample, 16)
+        return [(fused_launch, (workspace.shape[0],), (z, z.stride(0), top_k, top_p, threshold, workspace, *sampling, n,
+                                                       vocab, rate, q_scale, *modes, chunk, cfg.sample // chunk))]
     span = triton.cdiv(triton.cdiv(vocab, split), cfg.block) * cfg.block
     sizes = (split, triton.next_power_of_2(split), row_words(split, cfg))
     return [(range_launch, (n, split), (z, z.stride(0), top_k, top_p, threshold, workspace, *sampling, vocab, span, rate,

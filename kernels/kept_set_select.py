@@ -18,6 +18,10 @@ contract's fixed-point terms (the same libdevice `exp` as torch's CUDA `exp`, so
   masses; the mass above the bracket is summed exactly in the same pass. A bracket holding more than
   BIG elements (e.g. top-k with k in the thousands) falls back to a bisection over the keys, PIVOTS keys
   per pass, exact counts or masses at each, until one key is left.
+- Top-k in the fused plan first tries a pivot: `pivot_key` guesses a key with a few times k keys above it
+  from a sample, `max_and_compact_above` compacts every key at or above it in the max pass, and where
+  their count lies in [k, BIG] `pivot_cut` sorts them (they hold every key >= tau: the same sorted keys
+  as a `full` bracket, the same bits). Otherwise, and in the split plan:
 - A plan runs three steps after `first_counts`: `bracket` (from the row's summed counts), `compact_bracket`
   (on any column range, at the range's offset in the scratch row: the split plan's ranges compact in
   parallel) and `cut_value` (the sort and the cut over the compacted keys; a top-p after a top-k that did
@@ -37,6 +41,9 @@ KEY_NEG_INF: tl.constexpr = Named(-2139095041)  # the key of -inf (0xFF800000 ^ 
 KEY_NONE: tl.constexpr = Named(-2147483648)  # below every key of a non-NaN value: scratch padding
 LOW31: tl.constexpr = Named((1 << 31) - 1)
 BOUND_SLACK: tl.constexpr = Named(2.0**-20)  # relative margin on exp's last bits in the mass bounds
+KEY_ABOVE_ALL: tl.constexpr = Named((1 << 31) - 1)  # above every key of a non-NaN value: no pivot
+SAMPLE_GROUPS: tl.constexpr = Named(256)  # groups of the pivot's sample
+PIVOT_RANK_MAX: tl.constexpr = Named(64)  # the pivot's rank among the groups' maxima, at most
 
 @triton.jit
 def _key(z):
@@ -188,6 +195,23 @@ def _resolve_sized(scratch, n_in, k_rank, tau, p, above, total, row_max, q_scale
 
 
 @triton.jit
+def _top_k_sorted(scratch, n_in, rank, p, chained, row_max, q_scale, SHARED: tl.constexpr, SMALL_: tl.constexpr,
+                  BIG_: tl.constexpr):
+    """(tau, q*) from n_in compacted keys holding the row's k-th key at `rank`: tau that key; with `chained`
+    (every key >= tau among them) q* of top-p over them, else 0."""
+    zero = tl.full([], 0, tl.int64)
+    tau = tl.full([], KEY_NEG_INF, tl.int32)
+    q_star = zero
+    if chained:
+        tau, q_star = _resolve_sized(scratch, n_in, rank, tau, p, zero, zero, row_max, q_scale, True, True, True,
+                                     SHARED, SMALL_, BIG_)
+    else:
+        tau, _ = _resolve_sized(scratch, n_in, rank, tau, p, zero, zero, row_max, q_scale, True, False, False, SHARED,
+                                SMALL_, BIG_)
+    return tau, q_star
+
+
+@triton.jit
 def _bisect(row_ptr, vocab, row_max, floor, target, q_scale, MASS: tl.constexpr, BLOCK: tl.constexpr,
             PIVOTS_: tl.constexpr):
     """The largest key t with F(t) >= target, F(t) the count (or MASS: the sum of q) of the elements
@@ -306,6 +330,67 @@ def first_counts(row_ptr, lo, hi, row_max, k_on, rate, q_scale, HAS_P: tl.conste
 
 
 @triton.jit
+def pivot_key(row_ptr, vocab, k, k_on, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, BIG_: tl.constexpr):
+    """A guess of a key with between k and BIG_ of the row's keys at or above it, for top-k to compact them
+    in the pass that finds the max (`max_and_compact_above`): the row's first SAMPLE_GROUPS * CHUNK *
+    CHUNKS columns as SAMPLE_GROUPS groups (chunk c, group g: columns c G CHUNK + g CHUNK + [0, CHUNK)),
+    the r-th largest of the groups' max keys with r = ceil((2 k + 64) sampled / vocab), so that about
+    2 k + 64 keys of a row like its sample are at or above it. KEY_ABOVE_ALL (no pivot) where k is off,
+    2 k + 64 passes BIG_ / 2 or r passes PIVOT_RANK_MAX (the groups' maxima then stand too far from the
+    sample's own order). Only a guess: the keys at or above it are counted exactly, and a count outside
+    [k, BIG_] takes the bucket path."""
+    target = 2 * k + 64
+    sampled = tl.minimum(vocab, SAMPLE_GROUPS * CHUNK * CHUNKS).to(tl.int64)
+    rank = (target * sampled + vocab - 1) // vocab
+    pivot = tl.full([], KEY_ABOVE_ALL, tl.int32)
+    if k_on & (target <= BIG_ // 2) & (rank <= PIVOT_RANK_MAX):
+        g = tl.arange(0, SAMPLE_GROUPS)
+        best = tl.full([SAMPLE_GROUPS], KEY_NONE, tl.int32)
+        for c in tl.static_range(CHUNKS):
+            cols = c * SAMPLE_GROUPS * CHUNK + g[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+            best = tl.maximum(best, tl.max(_key(_load(row_ptr, cols, vocab)), axis=1))
+        keys = tl.sort(best, descending=True)
+        pivot = tl.max(tl.where(g == rank - 1, keys, KEY_NONE))
+    return pivot
+
+
+@triton.jit
+def max_and_compact_above(row_ptr, vocab, pivot, scratch, BLOCK: tl.constexpr, BIG_: tl.constexpr):
+    """One pass over the row: its max (as `range_max`) and the count of its keys >= pivot, the first BIG_ of
+    them stored at scratch (in column order). The barriers order the stores as `_compact`'s."""
+    tl.debug_barrier()
+    m = tl.full([], float("-inf"), tl.float32)
+    n = tl.full([], 0, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        z = _load(row_ptr, cols, vocab)
+        m = max_nan(m, max_all(z))
+        pick = (cols < vocab) & (_key(z) >= pivot)
+        picked = pick.to(tl.int32)
+        count = tl.sum(picked)
+        if count > 0:
+            at = n + tl.cumsum(picked, 0) - picked
+            tl.store(scratch + at, _key(z), mask=pick & (at < BIG_))
+        n += count
+    tl.debug_barrier()
+    return m, n
+
+
+@triton.jit
+def pivot_cut(scratch, n_in, k, p, p_on, row_max, q_scale, HAS_P: tl.constexpr, SMALL_: tl.constexpr,
+              BIG_: tl.constexpr):
+    """The value c of an active row with top-k from its n_in (k <= n_in <= BIG_) keys at or above a pivot,
+    compacted by `max_and_compact_above`: they hold every key >= tau, so top-p chained on top-k is resolved
+    on the same sorted keys."""
+    chained = False  # a constant where top-p cannot be on
+    if HAS_P:
+        chained = p_on
+    tau, q_star = _top_k_sorted(scratch, n_in, (k - 1).to(tl.int32), p, chained, row_max, q_scale, False, SMALL_,
+                                BIG_)
+    return _value(_smallest_key(tau, q_star, row_max, q_scale))
+
+
+@triton.jit
 def bracket(k, p, k_on, p_on, counts, total, rate, q_scale, HAS_K: tl.constexpr, HAS_P: tl.constexpr,
             NB: tl.constexpr, BIG_: tl.constexpr):
     """The buckets [first, last] whose keys an active row's cut is found among, given `first_counts` summed
@@ -360,12 +445,7 @@ def cut_value(row_ptr, vocab, row_max, k, p, k_on, p_on, counts, total, above, s
         if k_on:
             _b_k, full, n_in, rank = _k_bracket(counts, k, p_on, NB, BIG_)
             if n_in <= BIG_:
-                if full:
-                    tau, q_star = _resolve_sized(scratch, n_in, rank, tau, p, zero, zero, row_max, q_scale, True,
-                                                 True, True, SHARED, SMALL_, BIG_)
-                else:
-                    tau, _ = _resolve_sized(scratch, n_in, rank, tau, p, zero, zero, row_max, q_scale, True, False,
-                                            False, SHARED, SMALL_, BIG_)
+                tau, q_star = _top_k_sorted(scratch, n_in, rank, p, full, row_max, q_scale, SHARED, SMALL_, BIG_)
                 p_done = full.to(tl.int32)
             else:
                 tau = _bisect(row_ptr, vocab, row_max, tl.full([], KEY_NEG_INF, tl.int32), k, q_scale, False,

@@ -7,9 +7,12 @@ is the same on every run); on CUDA both sides use the same exp."""
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers import INTERPRET, mismatches, model_like_logits, needs_cuda
 
 from rl_logp.config import LogpConfig
+from rl_logp.kernels import kept_set_select
 from rl_logp.sampling_mask import NEG_INF, mask_logits_, reference_thresholds
 
 DEVICES = [
@@ -63,8 +66,9 @@ def test_kept_set_kernel_is_the_contract(device, kind):
     z = rows(kind, n, vocab, device, gen)
     k, p = parameters(n, vocab, device, gen)
     differing = 0
+    launch = {"sample": 1} if device == "cpu" else {}  # the top-k pivot's path for k up to 155 of 1500
     for top_k, top_p in ((k, None), (None, p), (k, p)):
-        masked, threshold = kernel_mask(z, top_k, top_p)
+        masked, threshold = kernel_mask(z, top_k, top_p, **launch)
         want = contract_mask(z, top_k, top_p)
         differing += mismatches(masked, want) + mismatches(contract_mask_by(z, threshold), want)
         assert (torch.isneginf(want[10:]) & ~torch.isneginf(z[10:])).any(dim=1).all()  # random rows are cut
@@ -89,6 +93,76 @@ def test_kept_set_kernel_fallbacks_are_the_contract(device, small, big):
             masked, _ = kernel_mask(z, top_k, top_p, small=small, big=big)
             differing += mismatches(masked, contract_mask(z, top_k, top_p))
     assert differing == 0
+
+
+def order_keys(z: torch.Tensor) -> torch.Tensor:
+    """The kernels' order-preserving int32 keys of fp32 z (-0.0 counted as +0.0)."""
+    b = (z + 0.0).view(torch.int32)
+    return torch.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+
+def reference_pivot(z: torch.Tensor, k: torch.Tensor, chunk: int, chunks: int, big: int) -> torch.Tensor:
+    """`pivot_key` in torch: the r-th largest of the 256 sample groups' max keys, r = ceil((2k + 64)
+    sampled / V), where top-k is on, 2k + 64 <= big / 2 and r <= 64; else 2^31 - 1."""
+    n, vocab = z.shape
+    cols = (torch.arange(chunks)[:, None, None] * 256 * chunk + torch.arange(256)[None, :, None] * chunk
+            + torch.arange(chunk)[None, None, :]).to(z.device)
+    padded = torch.cat([z, torch.full((n, int(cols.max()) + 1), NEG_INF, device=z.device)], dim=1)
+    groups = order_keys(padded[:, cols]).amax(dim=(1, 3))
+    ranked = groups.sort(dim=1, descending=True).values
+    kk = k.long()
+    target = 2 * kk + 64
+    rank = (target * min(vocab, 256 * chunk * chunks) + vocab - 1) // vocab
+    on = (kk > 0) & (kk < vocab) & (target <= big // 2) & (rank <= 64)
+    picked = ranked.gather(1, (rank.clamp(1, 64) - 1)[:, None])[:, 0]
+    return torch.where(on, picked, torch.full_like(picked, 2**31 - 1))
+
+
+@triton.jit
+def _pivot_probe(Z, stride, TOP_K, PIVOT, COUNT, MAX, SCRATCH, vocab, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+                 BLOCK: tl.constexpr, BIG_: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.load(TOP_K + row).to(tl.int64)
+    pivot = kept_set_select.pivot_key(Z + row * stride, vocab, k, (k > 0) & (k < vocab), CHUNK, CHUNKS, BIG_)
+    row_max, count = kept_set_select.max_and_compact_above(Z + row * stride, vocab, pivot, SCRATCH + row * BIG_,
+                                                           BLOCK, BIG_)
+    tl.store(PIVOT + row, pivot)
+    tl.store(COUNT + row, count)
+    tl.store(MAX + row, row_max)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_pivot_compacts_every_key_at_or_above_it(device):
+    """The fused plan's top-k pivot (`pivot_key`) and its pass (`max_and_compact_above`) against torch: the
+    pivot of `reference_pivot`, the row's max (NaN where a NaN is), the count of keys >= the pivot and the
+    first `big` of them in column order; and on logits with an LLM's spread most rows with top-k on take
+    the pivot's path (k <= count <= big), the others (k off, k too large for the sample) none; a row whose
+    sample holds its smallest keys has more than `big` keys above its pivot (the bucket path)."""
+    cpu = device == "cpu"
+    vocab, n, (chunk, chunks), block, big = (1500, 24, (1, 1), 512, 512) if cpu else (151936, 256, (16, 4), 4096, 4096)
+    gen = torch.Generator().manual_seed(5)
+    z = rows("model-like", n, vocab, device, gen)
+    z[10] = z[10].sort().values  # the sample holds the row's smallest keys: more than big above the pivot
+    k = torch.randint(1, 96 if cpu else 260, (n,), generator=gen, dtype=torch.int32)
+    k[4:10] = torch.tensor([1, vocab, vocab - 1, 0, -1, 2000], dtype=torch.int32)
+    k = k.to(device)
+    pivot, count = torch.empty(n, dtype=torch.int32, device=device), torch.empty(n, dtype=torch.int32, device=device)
+    row_max = torch.empty(n, device=device)
+    scratch = torch.full((n, big), -1, dtype=torch.int32, device=device)
+    _pivot_probe[(n,)](z, z.stride(0), k, pivot, count, row_max, scratch, vocab, CHUNK=chunk, CHUNKS=chunks,
+                       BLOCK=block, BIG_=big)
+    assert torch.equal(pivot, reference_pivot(z, k, chunk, chunks, big))
+    keys = order_keys(z)
+    assert torch.equal(count, (keys >= pivot[:, None]).sum(dim=1).int())
+    nan = z.isnan().any(dim=1)  # a NaN row's max is a NaN, its payload the kernel's
+    assert torch.equal(row_max.isnan(), nan) and mismatches(row_max[~nan], z[~nan].amax(dim=1)) == 0
+    for row in range(n):
+        above = keys[row][keys[row] >= pivot[row]][:big]
+        assert torch.equal(scratch[row, : above.numel()], above)
+    on = (k > 0) & (k < vocab)
+    pivoted = on & (count >= k) & (count <= big)
+    assert not pivoted[~on].any() and bool((pivot[~on] == 2**31 - 1).all())
+    assert count[10] > big and int(pivoted[11:].sum()) >= 0.9 * (n - 11), (k, count)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -188,8 +262,9 @@ def test_cuda_mask_logits_is_the_contract_at_rollout_size(batch):
     """What the patched vLLM samplers run (`mask_logits_`, the kernel on CUDA) on [B, 151936]."""
     z = model_like_logits(batch, 151936, torch.bfloat16, "cuda", seed=batch).float() / 0.7
     gen = torch.Generator().manual_seed(batch)
-    k = torch.randint(1, 2000, (batch,), generator=gen, dtype=torch.int32).cuda()
-    p = (torch.rand(batch, generator=gen) * 0.9 + 0.05).cuda()
+    k = torch.randint(1, 2000, (batch,), generator=gen, dtype=torch.int32)
+    k[::2] = torch.randint(1, 260, (batch - batch // 2,), generator=gen, dtype=torch.int32)  # the top-k pivot's
+    k, p = k.cuda(), (torch.rand(batch, generator=gen) * 0.9 + 0.05).cuda()
     for top_k, top_p in ((k, None), (None, p), (k, p)):
         got = mask_logits_(z.clone(), top_k, top_p, LogpConfig())
         assert mismatches(got, contract_mask(z, top_k, top_p)) == 0
