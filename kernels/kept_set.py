@@ -4,7 +4,7 @@ The selection itself (per row: the exact max M, bucket counts of d = M - z, the 
 found from them, and the cut value c with kept set {z >= c}) is `kept_set_select`'s. Two launch plans,
 the same bits:
 - fused (many rows): one launch of `kept_set_kernel`, one persistent program per row at a time doing
-  everything. With top-k on, a pivot guessed from a sample of the row's first columns (`pivot_key`) lets
+  everything. With top-k on, a pivot guessed from a sample spread over the row (`pivot_key`) lets
   the pass that finds the max also compact every key at or above it; where that holds between k and
   `big` keys (the common case for k in the hundreds or less), the k-th key (and top-p chained on it) is
   found by sorting them: two passes over the row (max and compaction, write). Otherwise four passes
@@ -81,8 +81,8 @@ class KeptSetLaunch:
     (powers of two; a bracket above big is bisected); pivots: keys tried per bisection pass;
     split_rows: the split plan for at most this many rows (0: never); split: programs per row in the
     split plan (0: enough to give each SM `programs_per_sm` programs, at most `max_split`); sample:
-    columns per group of the fused plan's top-k pivot sample (a power of two; 256 groups from the row's
-    start, `kept_set_select.pivot_key`).
+    adjacent columns per group of the fused plan's top-k pivot sample (a power of two; 256 groups spread
+    over the row, `kept_set_select.pivot_key`).
     """
 
     block: int = 4096

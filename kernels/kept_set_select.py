@@ -332,22 +332,24 @@ def first_counts(row_ptr, lo, hi, row_max, k_on, rate, q_scale, HAS_P: tl.conste
 @triton.jit
 def pivot_key(row_ptr, vocab, k, k_on, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, BIG_: tl.constexpr):
     """A guess of a key with between k and BIG_ of the row's keys at or above it, for top-k to compact them
-    in the pass that finds the max (`max_and_compact_above`): the row's first SAMPLE_GROUPS * CHUNK *
-    CHUNKS columns as SAMPLE_GROUPS groups (chunk c, group g: columns c G CHUNK + g CHUNK + [0, CHUNK)),
-    the r-th largest of the groups' max keys with r = ceil((2 k + 64) sampled / vocab), so that about
-    2 k + 64 keys of a row like its sample are at or above it. KEY_ABOVE_ALL (no pivot) where k is off,
-    2 k + 64 passes BIG_ / 2 or r passes PIVOT_RANK_MAX (the groups' maxima then stand too far from the
-    sample's own order). Only a guess: the keys at or above it are counted exactly, and a count outside
-    [k, BIG_] takes the bucket path."""
+    in the pass that finds the max (`max_and_compact_above`): a sample of SAMPLE_GROUPS groups of CHUNK *
+    CHUNKS adjacent columns spread over the whole row (group g from column g * spread, spread = vocab //
+    SAMPLE_GROUPS or the group's width if larger; a vocabulary's order, e.g. frequent tokens first, then
+    weighs on no part of it), the r-th largest of the groups' max keys with r = ceil((2 k + 64) sampled /
+    vocab), so that about 2 k + 64 keys of a row like its sample are at or above it. KEY_ABOVE_ALL (no
+    pivot) where k is off, 2 k + 64 passes BIG_ / 2 or r passes PIVOT_RANK_MAX (the groups' maxima then
+    stand too far from the sample's own order). Only a guess: the keys at or above it are counted
+    exactly, and a count outside [k, BIG_] takes the bucket path."""
     target = 2 * k + 64
     sampled = tl.minimum(vocab, SAMPLE_GROUPS * CHUNK * CHUNKS).to(tl.int64)
     rank = (target * sampled + vocab - 1) // vocab
     pivot = tl.full([], KEY_ABOVE_ALL, tl.int32)
     if k_on & (target <= BIG_ // 2) & (rank <= PIVOT_RANK_MAX):
         g = tl.arange(0, SAMPLE_GROUPS)
+        spread = tl.maximum(vocab // SAMPLE_GROUPS, CHUNK * CHUNKS)
         best = tl.full([SAMPLE_GROUPS], KEY_NONE, tl.int32)
         for c in tl.static_range(CHUNKS):
-            cols = c * SAMPLE_GROUPS * CHUNK + g[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+            cols = g[:, None] * spread + c * CHUNK + tl.arange(0, CHUNK)[None, :]
             best = tl.maximum(best, tl.max(_key(_load(row_ptr, cols, vocab)), axis=1))
         keys = tl.sort(best, descending=True)
         pivot = tl.max(tl.where(g == rank - 1, keys, KEY_NONE))

@@ -101,14 +101,20 @@ def order_keys(z: torch.Tensor) -> torch.Tensor:
     return torch.where(b >= 0, b, b ^ 0x7FFFFFFF)
 
 
+def pivot_sample(vocab: int, chunk: int, chunks: int) -> torch.Tensor:
+    """The columns of `pivot_key`'s sample, [256 groups, chunk * chunks]: group g's adjacent columns from
+    g * max(V // 256, chunk * chunks) (past V where V < 256 * chunk * chunks)."""
+    spread = max(vocab // 256, chunk * chunks)
+    return torch.arange(256)[:, None] * spread + torch.arange(chunk * chunks)[None, :]
+
+
 def reference_pivot(z: torch.Tensor, k: torch.Tensor, chunk: int, chunks: int, big: int) -> torch.Tensor:
     """`pivot_key` in torch: the r-th largest of the 256 sample groups' max keys, r = ceil((2k + 64)
     sampled / V), where top-k is on, 2k + 64 <= big / 2 and r <= 64; else 2^31 - 1."""
     n, vocab = z.shape
-    cols = (torch.arange(chunks)[:, None, None] * 256 * chunk + torch.arange(256)[None, :, None] * chunk
-            + torch.arange(chunk)[None, None, :]).to(z.device)
+    cols = pivot_sample(vocab, chunk, chunks).to(z.device)
     padded = torch.cat([z, torch.full((n, int(cols.max()) + 1), NEG_INF, device=z.device)], dim=1)
-    groups = order_keys(padded[:, cols]).amax(dim=(1, 3))
+    groups = order_keys(padded[:, cols]).amax(dim=2)
     ranked = groups.sort(dim=1, descending=True).values
     kk = k.long()
     target = 2 * kk + 64
@@ -142,7 +148,11 @@ def test_top_k_pivot_compacts_every_key_at_or_above_it(device):
     vocab, n, (chunk, chunks), block, big = (1500, 24, (1, 1), 512, 512) if cpu else (151936, 256, (16, 4), 4096, 4096)
     gen = torch.Generator().manual_seed(5)
     z = rows("model-like", n, vocab, device, gen)
-    z[10] = z[10].sort().values  # the sample holds the row's smallest keys: more than big above the pivot
+    sample = pivot_sample(vocab, chunk, chunks).flatten()
+    rest = torch.ones(vocab, dtype=torch.bool)
+    rest[sample] = False
+    ordered = z[10].sort().values  # the sample holds the row's smallest keys: more than big above the pivot
+    z[10, sample.to(device)], z[10, rest.to(device)] = ordered[: sample.numel()], ordered[sample.numel():]
     k = torch.randint(1, 96 if cpu else 260, (n,), generator=gen, dtype=torch.int32)
     k[4:10] = torch.tensor([1, vocab, vocab - 1, 0, -1, 2000], dtype=torch.int32)
     k = k.to(device)
