@@ -19,10 +19,10 @@ an EXIT, over the logits it loads) and its general path's (the sub-tile loop, as
 either) gets registers, spills and the SASS per logit of each loop over its shared-memory slice. With `--kept-set`, the
 rollout's kept-set launches (both plans, top-k / top-p / both, with and without a write and a draw; fp32
 [rows, V]) get registers and spills, and each hot loop (one pass over a row or range) its SASS
-instructions per element.
+instructions per element; with `--sampled-rank`, so does vLLM V1's gather kernel (`kernels.sampled_rank`).
 
     python benchmarks/kernel_resources.py [--dtype bf16] [--vocab 151936] [--show] [--backward] [--kept-set]
-                                          [--cluster]
+                                          [--cluster] [--sampled-rank]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from rl_logp.kernels import fixed_point, grad, kept_set, launch, row_stats
+from rl_logp.kernels import fixed_point, grad, kept_set, launch, row_stats, sampled_rank
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -285,6 +285,18 @@ def kept_set_launches(vocab: int, which: tuple[str, ...] = ("k", "p", "kp", "-")
         yield name, compile_launch(kernel, args, options)
 
 
+def sampled_rank_calls(vocab: int):
+    """(name, kernel, arguments, options) of `kernels.sampled_rank`'s launch (vLLM V1's patched
+    `gather_logprobs`) for 8 rows of fp32 logprobs, with no top-n and with 20."""
+    n = 8
+    logprobs, tokens, rank = torch.empty(n, vocab), torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+    for top in (0, 20):
+        given = (torch.empty(n, top), torch.empty(n, top, dtype=torch.int64)) if top else (None, None)
+        outs = (torch.empty(n, top + 1, dtype=torch.int32), torch.empty(n, top + 1), rank)
+        _, args, options = sampled_rank._launch(logprobs, tokens, *given, *outs)
+        yield f"sampled rank n={top}", sampled_rank.sampled_rank_kernel, args, options
+
+
 def cluster_report(vocab: int, dtype: torch.dtype, cfg: launch.LaunchConfig, show: bool) -> None:
     """Registers, spills and SASS per logit of each smem loop (max scan; sums: one loop per division) of the
     cluster forward's variants, compiled by NVRTC for sm_90."""
@@ -324,6 +336,8 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true", help="also the backward kernel")
     parser.add_argument("--cluster", action="store_true", help="also the cluster forward (CUDA C++, NVRTC)")
     parser.add_argument("--kept-set", action="store_true", help="also the kept-set kernels (registers, spills, SASS per element)")
+    parser.add_argument("--sampled-rank", action="store_true",
+                        help="also vLLM V1's gather kernel (registers, spills, SASS per element)")
     parser.add_argument("--maxnreg", type=int, help="cap the forward's registers per thread (ptxas .maxnreg)")
     fields = ("chunk", "lane", "warps", "cluster_threads")
     for field in fields:
@@ -379,6 +393,13 @@ def main() -> None:
         for name, kernel in kept_set_launches(args.vocab):
             regs, local = registers(kernel)
             loops = "  ".join(f"{what} {cost:.1f}" for what, cost in element_loops(kernel))
+            print(f"{name:24s} {regs:4d} {local:5d}  {loops}")
+    if args.sampled_rank:
+        print(f"\nsampled rank, fp32 x {args.vocab}: registers and spill bytes per thread, SASS per element of its loop")
+        for name, kernel, launch_args, options in sampled_rank_calls(args.vocab):
+            compiled = compile_launch(kernel, launch_args, options)
+            regs, local = registers(compiled)
+            loops = "  ".join(f"{what} {cost:.1f}" for what, cost in element_loops(compiled))
             print(f"{name:24s} {regs:4d} {local:5d}  {loops}")
 
 

@@ -3,8 +3,9 @@ keeps the contract's kept set (`rl_logp.sampling_mask`).
 
 Patched, where the installed vLLM has them (probed, not assumed; 0.24.0 and 0.34.0 are tested):
 - Model Runner V1 (vLLM <= 0.2x): `vllm.v1.sample.sampler.Sampler.compute_logprobs` (full-vocab logprobs,
-  `rl_logp.full_logprobs`, one kernel launch on CUDA when eager; the sampled token, top-k and ranks of every
-  `logprobs_mode` are gathered from it by vLLM's own code).
+  `rl_logp.full_logprobs`, one kernel launch on CUDA when eager) and `Sampler.gather_logprobs` (the sampled
+  token's id, logprob and rank beside vLLM's own top-k of the logprobs, one launch of
+  `rl_logp.kernels.sampled_rank` in place of five torch ops: the same bits, less host time per step).
 - V1 processed modes: `TopKTopPSampler.forward_native` / `forward_cpu` (they call log_softmax on the
   processed logits themselves). Samplers bind `forward` when constructed: apply before the engine starts
   (the `vllm.general_plugins` entry point does).
@@ -122,6 +123,55 @@ def apply_temperature_ieee(logits: torch.Tensor, expanded_idx_mapping: torch.Ten
     logits.div_(t.masked_fill_(t == 0.0, 1.0).unsqueeze(1))
 
 
+def make_gather_logprobs(original, tensors_type):
+    """Drop-in for V1 `Sampler.gather_logprobs(logprobs, num_logprobs, token_ids) -> LogprobsTensors` (the
+    sampled token's id, logprob and rank, and the top `num_logprobs` ids and logprobs beside it): vLLM's
+    own `torch.topk` for the top-n, then one launch of `rl_logp.kernels.sampled_rank` for the rest in
+    place of vLLM's gather, count, two cats and cast (the same bits), where the fused kernels run on the
+    logprobs' device and the tensors are as vLLM passes them (fp32 contiguous [n, V] logprobs, n > 0, int64
+    [n] token ids on the same device); vLLM's own function (`original`) otherwise. A token id outside
+    [0, V) gets a NaN logprob and the rank -1 on the kernel (vLLM's gather raises there). A call whose
+    signature was seen runs its plan (`rl_logp.rollout_calls`): the three outputs allocated, the top-n and
+    the launch."""
+
+    def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor):
+        key = (rollout_calls.signature(("gather_logprobs", num_logprobs), logprobs, token_ids)
+               if type(num_logprobs) is int else None)
+        if key is not None:
+            outs = rollout_calls.run(key, (logprobs, token_ids))
+            if outs is not None:
+                return tensors_type(*outs)
+        if not (key is not None and num_logprobs >= 0 and fused_runs_on(logprobs.device)
+                and logprobs.dtype == torch.float32 and logprobs.dim() == 2 and logprobs.shape[0] > 0
+                and logprobs.is_contiguous() and token_ids.dtype == torch.int64
+                and token_ids.shape == logprobs.shape[:1] and token_ids.device == logprobs.device
+                and token_ids.is_contiguous()):
+            return original(logprobs, num_logprobs, token_ids)
+        from rl_logp.engines.fused import config_from_environment
+        from rl_logp.kernels.sampled_rank import bind_sampled_rank, sampled_rank
+
+        rows, device = logprobs.shape[0], logprobs.device
+        outs = (torch.empty((rows, num_logprobs + 1), dtype=torch.int32, device=device),
+                torch.empty((rows, num_logprobs + 1), dtype=torch.float32, device=device),
+                torch.empty(rows, dtype=torch.int64, device=device))
+        top = tuple(torch.topk(logprobs, num_logprobs, dim=-1)) if num_logprobs else (None, None)
+        sampled_rank(logprobs, token_ids, *top, *outs)
+        if key is not None:
+            bound = bind_sampled_rank(logprobs, token_ids, *top, *outs, direct=config_from_environment().driver)
+            rollout_calls.remember(key, None, _topk_first(bound, num_logprobs), outs)
+        return tensors_type(*outs)
+
+    return gather_logprobs
+
+
+def _topk_first(bound, num_logprobs: int):
+    """A plan's launch of `kernels.sampled_rank` taking (logprobs, token_ids, *outputs): with the top
+    `num_logprobs` of the logprobs computed first (torch.topk) and passed after the token ids."""
+    if bound is None or num_logprobs == 0:
+        return bound
+    return lambda tensors: bound((*tensors[:2], *torch.topk(tensors[0], num_logprobs, dim=-1), *tensors[2:]))
+
+
 def make_processed_logprobs_forward(original, config: LogpConfig):
     """Wrap `TopKTopPSampler.forward_native/forward_cpu`, whose processed_logprobs mode calls
     `log_softmax` itself: run vLLM's code in processed_logits mode and score those logits here."""
@@ -202,6 +252,10 @@ def _apply(cfg: LogpConfig, sampling_mask: bool) -> list[str]:
     if v1 is not None and hasattr(v1, "Sampler"):
         _patches.set_attr(v1.Sampler, "compute_logprobs", staticmethod(make_compute_logprobs(cfg)))
         patched.append(f"{V1_SAMPLER}.Sampler.compute_logprobs")
+        if "gather_logprobs" in v1.Sampler.__dict__ and hasattr(v1, "LogprobsTensors"):
+            gather = make_gather_logprobs(v1.Sampler.gather_logprobs, v1.LogprobsTensors)
+            _patches.set_attr(v1.Sampler, "gather_logprobs", staticmethod(gather))
+            patched.append(f"{V1_SAMPLER}.Sampler.gather_logprobs")
     topk = try_import(V1_TOPK_TOPP)
     sampler_class = getattr(topk, "TopKTopPSampler", None)
     for name in ("forward_native", "forward_cpu"):

@@ -5,7 +5,7 @@ never imports the adapter.
 
 V1 runner (vLLM <= 0.2x): `Sampler.apply_temperature` (vLLM's fp32 in-place division), the module's
 `apply_top_k_top_p` (patched: the contract's kept set), `Sampler.compute_logprobs` (patched) and
-`Sampler.gather_logprobs` (vLLM's gather, top-k, ranks). V2 runner (vLLM >= 0.3x, no V1 sampler): the
+`Sampler.gather_logprobs` (patched: the sampled token's logprob and rank). V2 runner (vLLM >= 0.3x, no V1 sampler): the
 worker's temperature and top-k / top-p steps (the CPU worker's `CPUSamplingStates`, fed the requests'
 `SamplingParams`; on CUDA the GPU worker's `apply_temperature` and `apply_top_k_top_p`, patched), then
 its `compute_topk_scores` (patched). Every call works on its own fp32 copy of the logits: vLLM's steps

@@ -9,7 +9,8 @@ backward kernel (the row-local gradient of logp and/or entropy); `launch`: their
 parameters (`LaunchConfig`); `launcher`: Triton's launch with less host time per call; `kept_set`: the
 rollout's top-k/top-p kept set without a sort, and a draw from it given exponential noise (its launches and
 `KeptSetLaunch`), `kept_set_select`: that kernel's per-row selection and last pass;
-`temperature`: the rollout's per-row division by T through an index (vLLM V2).
+`temperature`: the rollout's per-row division by T through an index (vLLM V2); `sampled_rank`: the
+sampled token's logprob and rank beside the top-n (vLLM V1's gather).
 `cluster_row_stats.cu`: the forward in CUDA C++ with one HBM read per row (a row in the shared memory of a
 cluster of blocks; same bits), launched by `cluster_launch` where `LaunchConfig.cluster_rows` asks for
 it; `cuda_source`: NVRTC compilation and driver launches of CUDA C++ kernels through ctypes.

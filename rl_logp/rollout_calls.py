@@ -1,11 +1,13 @@
 """Calls without repeated set-up: a call made again and again with new tensors of the same shapes (what a
 rollout makes at every decode step) keeps what its first call worked out, as a plan, for the calls after it.
 
-Three kinds of call keep plans: the scores of an eager single-device call with nothing to differentiate
+Four kinds of call keep plans: the scores of an eager single-device call with nothing to differentiate
 (`logprobs` without autograd, `column_logprobs`, `full_logprobs`: `rl_logp.api`, bound by the engine,
 `LogpEngine.bind_scores`), the top-k / top-p kept set on the GPU (`rl_logp.sampling_mask`, bound by
-`kernels.kept_set.bind_kept_set`), and vLLM V2's temperature division in place (the adapter's
-`apply_temperature`, bound by `kernels.temperature.bind_divide_rows`). A call's signature is all that its set-up reads: the caller's settings
+`kernels.kept_set.bind_kept_set`), vLLM V2's temperature division in place (the adapter's
+`apply_temperature`, bound by `kernels.temperature.bind_divide_rows`), and vLLM V1's gather of the sampled
+token's logprob and rank (the adapter's `gather_logprobs`, three outputs, bound by
+`kernels.sampled_rank.bind_sampled_rank`). A call's signature is all that its set-up reads: the caller's settings
 (which call, the config, a float temperature...) and each tensor's exact type, shape, strides, dtype and
 device. No check of the set-up reads a tensor's values, so a call with a known signature passes every
 check its first call passed. A plan allocates the call's output and launches its kernels
@@ -26,27 +28,41 @@ import torch
 
 MAX_PLANS = 4096  # signatures kept; all are dropped when a new one would exceed it
 
-Bound = Callable[[Sequence[torch.Tensor]], bool]  # (the call's tensors, its output) -> launched
+Bound = Callable[[Sequence[torch.Tensor]], bool]  # (the call's tensors, its outputs) -> launched
 
 
 class Plan:
-    """A signature's call: an output like its first call's, written by `bound`, or for a call in place (no
-    output) its first tensor, which `bound` writes (`keep`: an object the signature names by id, kept alive
-    so that no other object can take that id). The output is allocated as `torch.empty_like` of `like`, the
-    first output's shape, dtype and device over one element (a microsecond less than `torch.empty` of the
-    shape: the rollout pays it at every decode step)."""
+    """A signature's call: an output like its first call's (or a tuple of outputs like its first call's),
+    written by `bound`, or for a call in place (no output) its first tensor, which `bound` writes (`keep`:
+    an object the signature names by id, kept alive so that no other object can take that id). Each output
+    is allocated as `torch.empty_like` of its `like`, the first call's output's shape, dtype and device over
+    one element (a microsecond less than `torch.empty` of the shape: the rollout pays it at every decode
+    step)."""
 
-    __slots__ = ("bound", "keep", "like")
+    __slots__ = ("bound", "keep", "like", "likes")
 
-    def __init__(self, keep: Any, bound: Bound, out: torch.Tensor | None) -> None:
+    def __init__(self, keep: Any, bound: Bound, out: torch.Tensor | tuple[torch.Tensor, ...] | None) -> None:
         self.keep, self.bound = keep, bound
-        self.like = None if out is None else torch.empty((), dtype=out.dtype, device=out.device).expand(out.shape)
+        self.like = self.likes = None
+        if isinstance(out, tuple):
+            self.likes = tuple(map(_like, out))
+        elif out is not None:
+            self.like = _like(out)
 
-    def __call__(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-        if self.like is None:
-            return tensors[0] if self.bound(tensors) else None
-        out = torch.empty_like(self.like, memory_format=torch.contiguous_format)
-        return out if self.bound((*tensors, out)) else None
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+        like = self.like
+        if like is not None:
+            out = torch.empty_like(like, memory_format=torch.contiguous_format)
+            return out if self.bound((*tensors, out)) else None
+        if self.likes is not None:
+            outs = tuple(torch.empty_like(like, memory_format=torch.contiguous_format) for like in self.likes)
+            return outs if self.bound((*tensors, *outs)) else None
+        return tensors[0] if self.bound(tensors) else None
+
+
+def _like(out: torch.Tensor) -> torch.Tensor:
+    """A tensor of `out`'s shape, dtype and device over one element."""
+    return torch.empty((), dtype=out.dtype, device=out.device).expand(out.shape)
 
 
 _plans: dict[tuple, Plan] = {}
@@ -71,9 +87,9 @@ def signature(settings: tuple, *tensors: object) -> tuple | None:
     return tuple(key)
 
 
-def run(key: tuple, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The output of the signature's plan over `tensors` (those of the call that are not None; in place, the
-    first of them), or None: no plan, or its launch declined (the plan is then dropped, and the ordinary path that follows binds the
+def run(key: tuple, tensors: Sequence[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+    """The output (or outputs) of the signature's plan over `tensors` (those of the call that are not None;
+    in place, the first of them), or None: no plan, or its launch declined (the plan is then dropped, and the ordinary path that follows binds the
     signature anew)."""
     plan = _plans.get(key)
     if plan is None:
@@ -84,9 +100,10 @@ def run(key: tuple, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return out
 
 
-def remember(key: tuple, keep: Any, bound: Bound | None, out: torch.Tensor | None) -> None:
-    """Keep a plan for `key`, whose first call wrote `out` (None: its first tensor, in place), where the call
-    could be bound (`bound`)."""
+def remember(key: tuple, keep: Any, bound: Bound | None, out: torch.Tensor | tuple[torch.Tensor, ...] | None) -> None:
+    """Keep a plan for `key`, whose first call wrote `out` (a tuple: several outputs, in the order `bound`
+    takes them after the call's tensors; None: its first tensor, in place), where the call could be bound
+    (`bound`)."""
     if bound is None:
         return
     if len(_plans) >= MAX_PLANS:

@@ -21,6 +21,7 @@ cfg = launch.LaunchConfig()
 kernels = [(f"forward {v.name}", kr.forward(v, cfg, 151936, torch.bfloat16)) for v in kr.VARIANTS[:2] + kr.VARIANTS[3:5]]
 kernels += [(f"backward {v.name}", kr.backward(v, cfg, 151936, torch.bfloat16)) for v in kr.VARIANTS[:2]]
 kernels += [(name, k) for name, k in kr.kept_set_launches(151936, which=("kp", "-"))]
+kernels += [(name, kr.compile_launch(k, args, options)) for name, k, args, options in kr.sampled_rank_calls(151936)]
 for name, kernel in kernels:
     regs, spill = kr.registers(kernel)
     print(f"{name}|{regs}|{spill}")
@@ -34,7 +35,7 @@ def test_kernels_compile_for_sm90_without_spills():
     assert run.returncode == 0, run.stderr[-4000:]
     rows = {name: (int(regs), int(spill)) for name, regs, spill in (line.split("|") for line in run.stdout.splitlines())}
     names = set(rows)
-    assert {"forward T=1", "forward T=0.7 +entropy", "backward T=0.7"} <= names
+    assert {"forward T=1", "forward T=0.7 +entropy", "backward T=0.7", "sampled rank n=0", "sampled rank n=20"} <= names
     for plan in ("fused", "split"):  # the kept set with a write, and with the draw, in both plans
         assert any(n.startswith(f"{plan} kp write") for n in names) and any(n.startswith(f"{plan} - draw") for n in names)
     assert {name: spill for name, (_, spill) in rows.items() if spill} == {}
@@ -64,6 +65,7 @@ for dtype, t in ((torch.bfloat16, None), (torch.bfloat16, 0.7), (torch.float32, 
             False, row_stats.MAX_SCAN.value, row_stats.RESULT_ROW.value, cfg, out_full)
         cases.append((f"{name} {dtype} T={t}", row_stats.row_stats_kernel, args, options))
 cases += list(kr.kept_set_calls(vocab, which=("kp", "-")))
+cases += list(kr.sampled_rank_calls(vocab))
 for name, fn, args, options in cases:
     compiled = kr.compile_launch(fn, args, options)
     values = driver_values(compiled, args)
@@ -74,7 +76,7 @@ for name, fn, args, options in cases:
 
 def test_rollout_launches_pack_for_the_driver_as_tritons_launcher():
     """Every launch a rollout plan binds (the forward of `logprobs`, `column_logprobs`, `full_logprobs`
-    at T = 1 and 0.7; the kept set's fused and split launches, masking, thresholds and drawing), compiled
+    at T = 1 and 0.7; the kept set's fused and split launches, masking, thresholds and drawing; vLLM V1's gather), compiled
     for sm_90: `driver_values` packs it (the driver launch would engage, not decline) with the bytes
     Triton's own generated launcher passes."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
@@ -82,5 +84,6 @@ def test_rollout_launches_pack_for_the_driver_as_tritons_launcher():
                          timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = [line.split("|") for line in run.stdout.splitlines()]
-    assert len(rows) == 9 + 14 + 4  # 9 forwards; the kept set (`kept_set_calls`): split 4 launches x 3 + 2, fused 4
+    assert len(rows) == 9 + 14 + 4 + 2  # 9 forwards; the kept set (`kept_set_calls`): split 4 launches x 3 + 2, fused 4;
+    # vLLM V1's gather (`sampled_rank_calls`), n = 0 and 20
     assert [name for name, packed, same in rows if packed != "1" or same != "1"] == []

@@ -380,6 +380,108 @@ def test_v1_sampler_top_20_logprobs_are_rl_logp_bits_in_every_column(patched, mo
         assert _columns_differing(logprobs, ids, logits, temperature=t) == 0
 
 
+GATHER_DEVICES = [pytest.param("cpu", id="interpret-cpu", marks=pytest.mark.skipif(
+                      not rl_logp.fused_runs_on(torch.device("cpu")), reason="needs Triton's interpreter (TRITON_INTERPRET=1)")),
+                  pytest.param("cuda", id="cuda", marks=needs_cuda)]
+
+
+def _gather_logprobs(batch: int, vocab: int, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logprobs of bf16 logits (many tied values per row: the count of entries >= a token's logprob
+    counts ties) with a NaN row, a row of -inf, a row with -inf and NaN entries; and tokens, some on ties."""
+    gen = torch.Generator().manual_seed(seed)
+    logprobs = (torch.randn(batch, vocab, generator=gen) * 3).to(torch.bfloat16).float().log_softmax(dim=-1)
+    tokens = torch.randint(0, vocab, (batch,), generator=gen)
+    if batch >= 4:
+        logprobs[1] = float("nan")
+        logprobs[2] = float("-inf")
+        logprobs[3, ::3], logprobs[3, 1::7] = float("-inf"), float("nan")
+        tokens[3] = 0  # a -inf token: every -inf entry counts
+    return logprobs.to(device), tokens.to(device)
+
+
+def _same_logprobs_tensors(got, want) -> bool:
+    return (type(got) is type(want) and torch.equal(got.logprob_token_ids, want.logprob_token_ids)
+            and got.logprob_token_ids.dtype == want.logprob_token_ids.dtype == torch.int32
+            and torch.equal(bits(got.logprobs), bits(want.logprobs))
+            and torch.equal(got.selected_token_ranks, want.selected_token_ranks)
+            and got.selected_token_ranks.dtype == want.selected_token_ranks.dtype)
+
+
+@needs_v1
+@pytest.mark.parametrize("device", GATHER_DEVICES)
+def test_v1_gather_logprobs_patched_is_vllms_own_bit_for_bit(device, monkeypatch):
+    """The patched V1 `Sampler.gather_logprobs` (vLLM's top-k, then one launch of
+    `kernels.sampled_rank`): vLLM's own function's ids, logprobs and ranks, bit for bit and of its dtypes,
+    for n = 0, 1, 5, 20 over rows with ties, NaN and -inf, a vocabulary of several kernel blocks; the
+    calls after a signature's first run its plan (no launch set up again), another n binds anew, and a
+    plan whose launch declines (logprobs off a 16-byte boundary) gives way to the ordinary path."""
+    from vllm.v1.sample.sampler import LogprobsTensors, Sampler
+
+    from rl_logp import rollout_calls
+    from rl_logp.kernels import sampled_rank as module
+
+    original = Sampler.gather_logprobs
+    gather = adapter.make_gather_logprobs(original, LogprobsTensors)
+    ordinary, launch = [], module.sampled_rank
+    monkeypatch.setattr(module, "sampled_rank", lambda *args: (ordinary.append(1), launch(*args)))
+    rollout_calls.clear()
+    vocab = module.BLOCK * 2 + 77 if device == "cuda" else 1000
+    try:
+        for n in (0, 1, 5, 20):
+            for seed, batch in enumerate((9, 9, 1)):
+                logprobs, tokens = _gather_logprobs(batch, vocab, device, seed)
+                want = original(logprobs, n, tokens)
+                assert _same_logprobs_tensors(gather(logprobs, n, tokens), want), (n, batch)
+        assert len(ordinary) == 8 and len(rollout_calls._plans) == 8  # per n: the 9-row and 1-row signatures
+        logprobs, tokens = _gather_logprobs(9, vocab + 1, device, 7)
+        base = logprobs.flatten()[: 9 * vocab + 1]
+        for x in (base[:-1].view(9, vocab), base[1:].view(9, vocab)):  # the n = 20 plan's signature, then off 16 bytes
+            t = tokens % vocab
+            assert _same_logprobs_tensors(gather(x, 20, t), original(x, 20, t))
+        assert len(ordinary) == 9  # the plan ran on the aligned logprobs and declined the shifted ones
+    finally:
+        rollout_calls.clear()
+
+
+@needs_v1
+@pytest.mark.parametrize("device", GATHER_DEVICES)
+def test_v1_gather_logprobs_patched_token_outside_the_row_is_nan_and_rank_minus_1(device):
+    """A token id outside [0, V) reads nothing outside the row: a NaN logprob and the rank -1 (vLLM's own
+    gather raises there); the other rows are vLLM's."""
+    from vllm.v1.sample.sampler import LogprobsTensors, Sampler
+
+    gather = adapter.make_gather_logprobs(Sampler.gather_logprobs, LogprobsTensors)
+    logprobs, tokens = _gather_logprobs(5, 300, device, 3)
+    inside = tokens.clone()
+    tokens[[0, 4]] = torch.tensor([300, -1], device=device)
+    got, want = gather(logprobs, 2, tokens), Sampler.gather_logprobs(logprobs, 2, inside)
+    assert torch.isnan(got.logprobs[[0, 4], 0]).all() and got.selected_token_ranks[[0, 4]].tolist() == [-1, -1]
+    assert got.logprob_token_ids[[0, 4], 0].tolist() == [300, -1]
+    assert torch.equal(bits(got.logprobs[1:4]), bits(want.logprobs[1:4]))
+    assert torch.equal(got.selected_token_ranks[1:4], want.selected_token_ranks[1:4])
+    assert torch.equal(bits(got.logprobs[:, 1:]), bits(want.logprobs[:, 1:]))
+
+
+@needs_v1
+def test_v1_gather_logprobs_patched_leaves_other_layouts_to_vllm(monkeypatch):
+    """Logprobs the kernel does not take (fp16, a strided view, int32 token ids, no rows) go to vLLM's own
+    function, with its result (and its errors: int32 ids, no rows)."""
+    from vllm.v1.sample.sampler import LogprobsTensors, Sampler
+
+    from rl_logp.kernels import sampled_rank as module
+
+    monkeypatch.setattr(module, "sampled_rank", lambda *args: pytest.fail("the kernel ran"))
+    gather = adapter.make_gather_logprobs(Sampler.gather_logprobs, LogprobsTensors)
+    logprobs, tokens = _gather_logprobs(6, 400, "cpu", 4)
+    for x in (logprobs.half(), logprobs[:, ::2]):
+        t = tokens % x.shape[1]
+        assert _same_logprobs_tensors(gather(x, 3, t), Sampler.gather_logprobs(x, 3, t))
+    with pytest.raises(AssertionError):
+        gather(logprobs, 3, tokens.int())
+    with pytest.raises(RuntimeError):
+        gather(logprobs[:0], 3, tokens[:0])
+
+
 @needs_cpu_worker
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs", "processed_logprobs+top_k+top_p"])
 def test_v2_cpu_worker_top_20_logprobs_are_rl_logp_bits_in_every_column(patched, mode):
@@ -471,18 +573,20 @@ def test_apply_patches_every_runner_this_vllm_has_and_revert_restores_it(samplin
     sampling = [(adapter.V1_TOPK_TOPP, "apply_top_k_top_p"), (adapter.V1_TOPK_TOPP, "flashinfer_sample")]
     originals = {(m, a): getattr(import_module(m), a) for m, a in targets + sampling}
     v1 = import_module(adapter.V1_SAMPLER) if _has(adapter.V1_SAMPLER) else None
-    v1_original = v1.Sampler.__dict__["compute_logprobs"] if v1 else None
+    v1_sites = ("compute_logprobs", "gather_logprobs")
+    v1_originals = {a: v1.Sampler.__dict__[a] for a in v1_sites} if v1 else {}
     names = adapter.apply(backend="chunked", sampling_mask=sampling_mask)
     for (m, a), original in originals.items():
         replaced = (m, a) in targets or sampling_mask
         assert (f"{m}.{a}" in names) == replaced and (getattr(import_module(m), a) is not original) == replaced
-    assert (f"{adapter.V1_SAMPLER}.Sampler.compute_logprobs" in names) == (v1 is not None)
+    for a in v1_sites:
+        assert (f"{adapter.V1_SAMPLER}.Sampler.{a}" in names) == (v1 is not None)
     assert adapter.active_patches() == names
     adapter.revert()
     for (m, a), original in originals.items():
         assert getattr(import_module(m), a) is original
-    if v1 is not None:
-        assert v1.Sampler.__dict__["compute_logprobs"] is v1_original
+    for a, original in v1_originals.items():
+        assert v1.Sampler.__dict__[a] is original
     assert adapter.active_config() is None and adapter.active_patches() == []
     plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert plugins.get("rl_logp") == "rl_logp.integrations.vllm_hook:load"
