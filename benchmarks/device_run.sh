@@ -24,6 +24,8 @@
 #   ncu       Nsight Compute on one call per case (benchmarks/ncu_cases.py; NCU_CASES: t1 t07 t1_entropy t07_entropy,
 #             a forward + backward of rl_logp.logprobs; kept_k50 kept_p09 kept_k50_p09, the kept set at one row;
 #             NCU_ARGS to the script) -> $OUT/ncu_<case>.ncu-rep and .txt
+#   vllm_tests tests/test_vllm_adapter.py's GPU tests (VLLM_TEST_FILTER, default "cuda") against each carried vLLM
+#             (ROLLOUT_VERSIONS) -> $OUT/gpu_vllm_tests_<version>.txt
 #   check     the TP=2 agreement check with each carried vLLM as the rollout side
 #   linear    (issue 27) tests/test_linear.py, then bench_linear.py: rl-logp's fused lm_head + logp beside
 #             verl's fused heads and the unfused path -> $OUT/gpu_linear_tests.txt, $OUT/${GPU}_linear.json
@@ -156,6 +158,14 @@ for stage in ${STAGES}; do
         ncu --import "$OUT/ncu_${case}.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_${case}_sass.csv" 2>&1
         grep -E "grad_kernel|row_stats_kernel|cluster_row_stats|kept_set|Duration|Registers Per|Achieved Occupancy|Memory Throughput|DRAM Throughput|Compute \(SM\)" \
           "$OUT/ncu_${case}.txt" | head -24
+      done ;;
+    vllm_tests)
+      # The vLLM adapter's GPU tests (names with "cuda", VLLM_TEST_FILTER) against each carried vLLM.
+      for version in ${ROLLOUT_VERSIONS:-${VLLM_VERSIONS[@]}}; do
+        PYTHONPATH="${BASE}:/tmp/vllm-${version}" timeout -s INT -k 30 "${TEST_TIMEOUT:-240}" python3 -P -m pytest -q \
+          tests/test_vllm_adapter.py -k "${VLLM_TEST_FILTER:-cuda}" -p no:cacheprovider -rA -v --durations=10 2>&1 \
+          | quiet > "$OUT/gpu_vllm_tests_${version}.txt"
+        grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/gpu_vllm_tests_${version}.txt" | tail -15
       done ;;
     check)
       for version in "${VLLM_VERSIONS[@]}"; do
