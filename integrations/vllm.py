@@ -128,8 +128,8 @@ def make_gather_logprobs(original, tensors_type):
     sampled token's id, logprob and rank, and the top `num_logprobs` ids and logprobs beside it): vLLM's
     own `torch.topk` for the top-n, then one launch of `rl_logp.kernels.sampled_rank` for the rest in
     place of vLLM's gather, count, two cats and cast (the same bits), where the fused kernels run on the
-    logprobs' device and the tensors are as vLLM passes them (fp32 contiguous [n, V] logprobs, n > 0, int64
-    [n] token ids on the same device); vLLM's own function (`original`) otherwise. A token id outside
+    logprobs' device and the tensors are as vLLM passes them (fp32 contiguous [rows, V] logprobs of one row
+    or more, int64 [rows] token ids on the same device); vLLM's own function (`original`) otherwise. A token id outside
     [0, V) gets a NaN logprob and the rank -1 on the kernel (vLLM's gather raises there). A call whose
     signature was seen runs its plan (`rl_logp.rollout_calls`): the three outputs allocated, the top-n and
     the launch."""
@@ -141,7 +141,7 @@ def make_gather_logprobs(original, tensors_type):
             outs = rollout_calls.run(key, (logprobs, token_ids))
             if outs is not None:
                 return tensors_type(*outs)
-        if not (key is not None and num_logprobs >= 0 and fused_runs_on(logprobs.device)
+        if not (type(num_logprobs) is int and num_logprobs >= 0 and fused_runs_on(logprobs.device)
                 and logprobs.dtype == torch.float32 and logprobs.dim() == 2 and logprobs.shape[0] > 0
                 and logprobs.is_contiguous() and token_ids.dtype == torch.int64
                 and token_ids.shape == logprobs.shape[:1] and token_ids.device == logprobs.device

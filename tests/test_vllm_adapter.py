@@ -414,7 +414,8 @@ def test_v1_gather_logprobs_patched_is_vllms_own_bit_for_bit(device, monkeypatch
     `kernels.sampled_rank`): vLLM's own function's ids, logprobs and ranks, bit for bit and of its dtypes,
     for n = 0, 1, 5, 20 over rows with ties, NaN and -inf, a vocabulary of several kernel blocks; the
     calls after a signature's first run its plan (no launch set up again), another n binds anew, and a
-    plan whose launch declines (logprobs off a 16-byte boundary) gives way to the ordinary path."""
+    plan whose launch declines (logprobs off a 16-byte boundary) gives way to the ordinary path, which a
+    call without a signature takes too."""
     from vllm.v1.sample.sampler import LogprobsTensors, Sampler
 
     from rl_logp import rollout_calls
@@ -439,6 +440,9 @@ def test_v1_gather_logprobs_patched_is_vllms_own_bit_for_bit(device, monkeypatch
             t = tokens % vocab
             assert _same_logprobs_tensors(gather(x, 20, t), original(x, 20, t))
         assert len(ordinary) == 9  # the plan ran on the aligned logprobs and declined the shifted ones
+        with rollout_calls.ordinary_path():  # no signature (a call while a CUDA graph is captured): the kernel
+            assert _same_logprobs_tensors(gather(logprobs, 5, tokens), original(logprobs, 5, tokens))
+        assert len(ordinary) == 10
     finally:
         rollout_calls.clear()
 
