@@ -29,7 +29,9 @@ in the same rounds, the patched step with the plans' launches through the CUDA d
 rows '<setting> [driver]'). Every row checks its outputs (the
 same check patched and unpatched; unpatched rows are the control: vLLM's own bits differ):
 `first_column_equals_rl_logp`, the sampled token's logprob (column 0) against `rl_logp.logprobs` of the
-token ids the step returned, with the patch's backend; for `kept_set` rows `kept_set_equals_contract`,
+token ids the step returned, with the patch's backend; for `v1_sampler` rows also `ranks_equal_count`, the
+sampled tokens' ranks against the count of the row's logprobs (`rl_logp.full_logprobs`, every column) >=
+the reported column 0, vLLM's rule; for `kept_set` rows `kept_set_equals_contract`,
 the masked logits against the pure-torch contract (`rl_logp.sampling_mask.reference_thresholds`), and,
 patched, `kernel_equals_contract`, the kernel called directly; for `draw` rows `draw_in_kept_set`, every
 drawn token inside the contract's kept set. At --check-batch on CUDA each step also
@@ -82,9 +84,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling module
 from bench_report import Report
 
 PATHS = ("v1_sampler", "v2_worker", "kept_set", "draw")
-CHECKS = ("first_column_equals_rl_logp", "kept_set_equals_contract", "kernel_equals_contract", "draw_in_kept_set")
+CHECKS = ("first_column_equals_rl_logp", "ranks_equal_count", "kept_set_equals_contract", "kernel_equals_contract",
+          "draw_in_kept_set")
 LOGITS_PATHS = ("kept_set", "draw")  # paths given fp32 logits already divided by T
-Outputs = tuple[torch.Tensor, ...]  # (token ids [B, 1 + n], logprobs [B, 1 + n]) or (masked logits,)
+Outputs = tuple[torch.Tensor, ...]  # (token ids [B, 1 + n], logprobs [B, 1 + n][, V1: ranks [B]]) or (masked logits,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +157,7 @@ class Step:
 
         def run() -> Outputs:
             out = sampler.forward(self.logits, metadata).logprobs_tensors
-            return out.logprob_token_ids, out.logprobs
+            return out.logprob_token_ids, out.logprobs, out.selected_token_ranks
 
         return run
 
@@ -224,22 +227,37 @@ class Step:
         if self.setting.path == "draw":
             drawn = self.contract_mask().gather(1, outputs[0].reshape(-1, 1).to(torch.int64))
             return {"draw_in_kept_set": bool((drawn != NEG_INF).all())}
-        ids, logprobs = outputs
-        return {"first_column_equals_rl_logp": first_column_matches(self, ids, logprobs)}
+        ids, logprobs, *ranks = outputs
+        checks = {"first_column_equals_rl_logp": first_column_matches(self, ids, logprobs)}
+        if ranks:  # V1: vLLM's rule, the count of the row's logprobs >= the sampled token's
+            checks["ranks_equal_count"] = same_bits(ranks[0], self.expected_ranks(logprobs[:, 0]))
+        return checks
 
     def contract_mask(self) -> torch.Tensor:
         z = self.pristine
         threshold = reference_thresholds(z, self.top_k, self.top_p, LogpConfig().fixed_point_bits, 2**28)
         return z.masked_fill(z < threshold.unsqueeze(1), NEG_INF)
 
-    def expected_first_column(self, tokens: torch.Tensor) -> torch.Tensor:
-        """What the patched step's sampled-token logprob must be: the trainer's call on the same logits."""
+    def trainer_scores(self) -> tuple[torch.Tensor, float | None]:
+        """The logits the trainer scores for this step's logprobs and the temperature it scores them at."""
         s = self.setting
         if s.mode == "raw_logprobs":
-            return rl_logp.logprobs(self.pristine, tokens, backend=self.backend)
+            return self.pristine, None
         if s.top_k or s.top_p:
-            return rl_logp.logprobs(self.scored(), tokens, backend=self.backend)
-        return rl_logp.logprobs(self.pristine, tokens, temperature=s.temperature, backend=self.backend)
+            return self.scored(), None
+        return self.pristine, s.temperature
+
+    def expected_first_column(self, tokens: torch.Tensor) -> torch.Tensor:
+        """What the patched step's sampled-token logprob must be: the trainer's call on the same logits."""
+        logits, temperature = self.trainer_scores()
+        return rl_logp.logprobs(logits, tokens, temperature=temperature, backend=self.backend)
+
+    def expected_ranks(self, token_logprobs: torch.Tensor) -> torch.Tensor:
+        """What the patched V1 step's ranks must be for the sampled tokens' reported logprobs: how many of the
+        row's logprobs (the trainer's, every column: `rl_logp.full_logprobs`) are >= them, int64."""
+        logits, temperature = self.trainer_scores()
+        full = rl_logp.full_logprobs(logits, temperature=temperature, backend=self.backend)
+        return (full >= token_logprobs.unsqueeze(1)).sum(-1)
 
 
 def first_column_matches(step: Step, ids: torch.Tensor, logprobs: torch.Tensor) -> bool:

@@ -44,6 +44,7 @@ def test_bench_rollout_smoke(tmp_path):
     for r in patched:
         assert r[checks.get(r["path"], "first_column_equals_rl_logp")] is True, r
         assert r["path"] != "kept_set" or r["kernel_equals_contract"] is True, r
+        assert r["path"] != "v1_sampler" or r["ranks_equal_count"] is True, r
     control = [r for r in rows if not r["patched"] and r["path"] not in checks]
     assert any(not r["first_column_equals_rl_logp"] for r in control if r["path"] == "v1_sampler")
     assert any(not r["first_column_equals_rl_logp"] for r in control if r["path"] == "v2_worker")
@@ -100,8 +101,9 @@ def test_bench_rollout_refuses_a_forward_without_cuda(tmp_path):
 
 
 def test_bench_rollout_check_fails_on_one_ulp():
-    """The benchmark's first-column check, called on a V1 step's real outputs: true as they are, false
-    when one sampled token's logprob is one ulp off."""
+    """The benchmark's checks, called on a V1 step's real outputs: the first column's and the ranks' true
+    as they are; the first column's false when one sampled token's logprob is one ulp off, the ranks'
+    false when one rank is one off."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import bench_rollout
@@ -111,11 +113,13 @@ def test_bench_rollout_check_fails_on_one_ulp():
     with bench_rollout.adapter.patched(backend="chunked"):
         step = bench_rollout.Step(setting, 6, 1031, torch.device("cpu"), "chunked")
         with torch.compiler.set_stance("force_eager"):
-            ids, logprobs = step()
-    assert bench_rollout.first_column_matches(step, ids, logprobs)
-    off = logprobs.clone()
-    off[3, 0] = torch.nextafter(off[3, 0], torch.tensor(0.0))
-    assert not bench_rollout.first_column_matches(step, ids, off)
+            ids, logprobs, ranks = step()
+            assert step.check((ids, logprobs, ranks)) == {"first_column_equals_rl_logp": True, "ranks_equal_count": True}
+            off = logprobs.clone()
+            off[3, 0] = torch.nextafter(off[3, 0], torch.tensor(0.0))
+            assert not bench_rollout.first_column_matches(step, ids, off)
+            ranks[2] += 1
+            assert step.check((ids, logprobs, ranks))["ranks_equal_count"] is False
 
 
 def test_bench_logp_smoke(tmp_path):
