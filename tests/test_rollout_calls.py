@@ -246,6 +246,34 @@ def test_plans_are_dropped_past_their_limit(ordinary_calls, monkeypatch):
     assert len(rollout_calls._plans) == 1
 
 
+def test_a_plan_of_several_outputs_allocates_each_fresh_and_a_declined_one_is_dropped():
+    """A plan kept with a tuple of outputs (vLLM V1's gather: ids, logprobs, ranks) gives new tensors of each
+    output's shape, dtype and device at every call, passed to its launch after the call's tensors in that
+    order; a launch that declines gives None and drops the plan."""
+    rollout_calls.clear()
+    seen, answer = [], [True]
+
+    def bound(tensors) -> bool:
+        seen.append(tensors)
+        return answer[0]
+
+    x = torch.zeros(3, 5)
+    first = (torch.empty(3, 2, dtype=torch.int32), torch.empty(3, 2), torch.empty(3, dtype=torch.int64))
+    key = rollout_calls.signature(("several",), x)
+    try:
+        rollout_calls.remember(key, None, bound, first)
+        outs = rollout_calls.run(key, (x,))
+        again = rollout_calls.run(key, (x,))
+        assert [(o.shape, o.dtype, o.device, o.is_contiguous()) for o in outs] == [
+            (f.shape, f.dtype, f.device, True) for f in first]
+        assert len({o.data_ptr() for o in (*outs, *again, *first)}) == 9  # every call's outputs its own
+        assert seen[0][0] is x and all(a is b for a, b in zip(seen[0][1:], outs, strict=True))
+        answer[0] = False
+        assert rollout_calls.run(key, (x,)) is None and key not in rollout_calls._plans
+    finally:
+        rollout_calls.clear()
+
+
 def test_the_chunked_engine_and_tensor_temperatures_have_no_plan(ordinary_calls):
     x, ids = _inputs(4, 300, torch.float32, "cpu", 0)
     for _ in range(2):
