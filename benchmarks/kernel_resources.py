@@ -279,10 +279,15 @@ def kept_set_calls(vocab: int, which: tuple[str, ...] = ("k", "p", "kp", "-")):
                     yield name, launcher.kernel, args, options
 
 
+def compiled(calls):
+    """(name, compiled kernel) of each (name, kernel, arguments, options) of `calls`."""
+    for name, kernel, args, options in calls:
+        yield name, compile_launch(kernel, args, options)
+
+
 def kept_set_launches(vocab: int, which: tuple[str, ...] = ("k", "p", "kp", "-")):
     """(name, compiled kernel) of each of `kept_set_calls`."""
-    for name, kernel, args, options in kept_set_calls(vocab, which):
-        yield name, compile_launch(kernel, args, options)
+    return compiled(kept_set_calls(vocab, which))
 
 
 def sampled_rank_calls(vocab: int):
@@ -295,6 +300,15 @@ def sampled_rank_calls(vocab: int):
         outs = (torch.empty(n, top + 1, dtype=torch.int32), torch.empty(n, top + 1), rank)
         _, args, options = sampled_rank._launch(logprobs, tokens, *given, *outs)
         yield f"sampled rank n={top}", sampled_rank.sampled_rank_kernel, args, options
+
+
+def print_element_loops(launches) -> None:
+    """A line per (name, compiled kernel): registers and spill bytes per thread, then each hot loop's
+    features and SASS instructions per fp32 element (`element_loops`)."""
+    for name, kernel in launches:
+        regs, local = registers(kernel)
+        loops = "  ".join(f"{what} {cost:.1f}" for what, cost in element_loops(kernel))
+        print(f"{name:24s} {regs:4d} {local:5d}  {loops}")
 
 
 def cluster_report(vocab: int, dtype: torch.dtype, cfg: launch.LaunchConfig, show: bool) -> None:
@@ -390,17 +404,10 @@ def main() -> None:
     if args.kept_set:
         print(f"\nkept set, fp32 x {args.vocab}: registers and spill bytes per thread of each launch, and the SASS"
               " instructions per element of each hot loop's common path (its features), in code order")
-        for name, kernel in kept_set_launches(args.vocab):
-            regs, local = registers(kernel)
-            loops = "  ".join(f"{what} {cost:.1f}" for what, cost in element_loops(kernel))
-            print(f"{name:24s} {regs:4d} {local:5d}  {loops}")
+        print_element_loops(kept_set_launches(args.vocab))
     if args.sampled_rank:
         print(f"\nsampled rank, fp32 x {args.vocab}: registers and spill bytes per thread, SASS per element of its loop")
-        for name, kernel, launch_args, options in sampled_rank_calls(args.vocab):
-            compiled = compile_launch(kernel, launch_args, options)
-            regs, local = registers(compiled)
-            loops = "  ".join(f"{what} {cost:.1f}" for what, cost in element_loops(compiled))
-            print(f"{name:24s} {regs:4d} {local:5d}  {loops}")
+        print_element_loops(compiled(sampled_rank_calls(args.vocab)))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ class Plan:
             out = torch.empty_like(like, memory_format=torch.contiguous_format)
             return out if self.bound((*tensors, out)) else None
         if self.likes is not None:
-            outs = tuple(torch.empty_like(like, memory_format=torch.contiguous_format) for like in self.likes)
+            outs = tuple(torch.empty_like(each, memory_format=torch.contiguous_format) for each in self.likes)
             return outs if self.bound((*tensors, *outs)) else None
         return tensors[0] if self.bound(tensors) else None
 

@@ -21,7 +21,7 @@ cfg = launch.LaunchConfig()
 kernels = [(f"forward {v.name}", kr.forward(v, cfg, 151936, torch.bfloat16)) for v in kr.VARIANTS[:2] + kr.VARIANTS[3:5]]
 kernels += [(f"backward {v.name}", kr.backward(v, cfg, 151936, torch.bfloat16)) for v in kr.VARIANTS[:2]]
 kernels += [(name, k) for name, k in kr.kept_set_launches(151936, which=("kp", "-"))]
-kernels += [(name, kr.compile_launch(k, args, options)) for name, k, args, options in kr.sampled_rank_calls(151936)]
+kernels += list(kr.compiled(kr.sampled_rank_calls(151936)))
 for name, kernel in kernels:
     regs, spill = kr.registers(kernel)
     print(f"{name}|{regs}|{spill}")
