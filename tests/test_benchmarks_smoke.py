@@ -122,6 +122,33 @@ def test_bench_rollout_check_fails_on_one_ulp():
             assert step.check((ids, logprobs, ranks))["ranks_equal_count"] is False
 
 
+def test_bench_rollout_replay_comparison_takes_v1s_outputs():
+    """The CUDA-graph check's comparison, on a V1 step's real outputs (ids, logprobs, 1-D ranks): two steps
+    that drew different tokens agree but for column 0 and the ranks; a top-n logprob one ulp off does not;
+    other paths compare every output whole."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_rollout
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    setting = bench_rollout.Setting("v1_sampler", "raw_logprobs", 5, "float32", 1.0)
+    with bench_rollout.adapter.patched(backend="chunked"):
+        step = bench_rollout.Step(setting, 4, 1031, torch.device("cpu"), "chunked")
+        with torch.compiler.set_stance("force_eager"):
+            step.reset()
+            first = [t.clone() for t in step()]
+            step.reset()
+            second = [t.clone() for t in step()]
+    second[0][:, 0] = (first[0][:, 0] + 1) % 1031  # another draw: its tokens, logprobs and ranks differ
+    second[1][:, 0] = -1.0
+    second[2] += 1
+    assert bench_rollout.replay_same_as_eager("v1_sampler", second, first)
+    second[1][2, 3] = torch.nextafter(second[1][2, 3], torch.tensor(0.0))
+    assert not bench_rollout.replay_same_as_eager("v1_sampler", second, first)
+    assert bench_rollout.replay_same_as_eager("v2_worker", first, [t.clone() for t in first])
+    assert not bench_rollout.replay_same_as_eager("v2_worker", second[:2], first[:2])
+
+
 def test_bench_logp_smoke(tmp_path):
     report, stdout = _smoke("bench_logp.py", tmp_path / "logp.json")
     main = [r for r in report["results"] if r["suite"] != "rollout"]
