@@ -1,5 +1,6 @@
 """The benchmark scripts keep working: each runs with --smoke (tiny shapes on the CPU) in CI."""
 
+import importlib
 import itertools
 import json
 import os
@@ -18,6 +19,15 @@ def _smoke(script: str, out: Path, *extra: str, env: dict | None = None) -> tupl
                          capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(out.read_text()), run.stdout
+
+
+def _benchmark_module(name: str):
+    """The module benchmarks/<name>.py, imported as the scripts import each other (from their folder)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
 
 
 def test_bench_rollout_smoke(tmp_path):
@@ -104,11 +114,7 @@ def test_bench_rollout_check_fails_on_one_ulp():
     """The benchmark's checks, called on a V1 step's real outputs: the first column's and the ranks' true
     as they are; the first column's false when one sampled token's logprob is one ulp off, the ranks'
     false when one rank is one off."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_rollout
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    bench_rollout = _benchmark_module("bench_rollout")
     setting = bench_rollout.Setting("v1_sampler", "raw_logprobs", 20, "bfloat16", 1.0)
     with bench_rollout.adapter.patched(backend="chunked"):
         step = bench_rollout.Step(setting, 6, 1031, torch.device("cpu"), "chunked")
@@ -126,11 +132,7 @@ def test_bench_rollout_replay_comparison_takes_v1s_outputs():
     """The CUDA-graph check's comparison, on a V1 step's real outputs (ids, logprobs, 1-D ranks): two steps
     that drew different tokens agree but for column 0 and the ranks; a top-n logprob one ulp off does not;
     other paths compare every output whole."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_rollout
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    bench_rollout = _benchmark_module("bench_rollout")
     setting = bench_rollout.Setting("v1_sampler", "raw_logprobs", 5, "float32", 1.0)
     with bench_rollout.adapter.patched(backend="chunked"):
         step = bench_rollout.Step(setting, 4, 1031, torch.device("cpu"), "chunked")
@@ -246,11 +248,7 @@ def test_profile_rollout_step_isolates_the_scoring_call():
     marks = ["start", "compute_logprobs>", "compute_logprobs<", "sample>", "sample<", "gather_logprobs>",
              "gather_logprobs<", "end"]
     assert [(a, b) for a, b, *_ in stretches] == list(itertools.pairwise(marks)), run.stdout
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import profile_rollout_step as profile
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    profile = _benchmark_module("profile_rollout_step")
     import rl_logp
     from rl_logp.integrations import vllm as adapter
 
@@ -282,11 +280,7 @@ def test_ncu_cases_smoke():
     """Every case of the Nsight Compute driver runs on the CPU at a tiny shape (the trainer cases under
     Triton's interpreter, the kept set by its torch reference), and a trainer case forward alone, and says
     what it ran."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import ncu_cases
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    ncu_cases = _benchmark_module("ncu_cases")
     runs = [(case, []) for case in [*ncu_cases.CASES, *ncu_cases.KEPT_CASES]] + [("t07_entropy", ["--forward-only"])]
     for case, extra in runs:
         run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ncu_cases.py"), "--case", case, "--rows", "3",
